@@ -1,0 +1,114 @@
+"""Per-layer routing: each decoder layer sends the hidden state to its backbone or its exit copy.
+
+The architecture's own decoder loop, masks, rotary embeddings and cache calls stay untouched;
+River only replaces each entry of the model's layer list with a :class:`RiverLayer` that holds the
+original layer (backbone) and its quantized copy (exit layer). Both carry the same ``layer_idx``,
+so whichever runs reads and writes that layer's slot of the one KV cache (River-LLM "KV share":
+a token that left the backbone early still leaves complete KV for every later token).
+
+One :class:`RiverRouter` per model holds the decision of the current forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .controllers import ExitRuleList
+
+__all__ = ["RiverRouter", "RiverLayer", "ROUTE", "BACKBONE_ONLY", "EXIT_ONLY"]
+
+ROUTE, BACKBONE_ONLY, EXIT_ONLY = "route", "backbone", "exit"
+
+
+class RiverRouter:
+    """State of the exit decision for the forward pass in flight, and a log of past passes.
+
+    Attributes:
+        rules: the :class:`ExitRuleList` asked after each backbone layer.
+        num_layers: number of decoder layers L.
+        mode: ``"route"`` (normal), ``"backbone"`` (never exit) or ``"exit"`` (every layer runs its
+            exit copy: the fully quantized model, for comparisons).
+        exit_layer: for the pass in flight, index of the first layer served by its exit copy
+            (= number of backbone layers run); L when the pass never left the backbone.
+        log: one ``(batch, tokens, exit_layer)`` triple per forward pass since the last reset.
+    """
+
+    def __init__(self, rules: ExitRuleList, num_layers: int):
+        self.rules = rules
+        self.num_layers = num_layers
+        self.mode = ROUTE
+        self.exited = False
+        self.exit_layer = num_layers
+        self.log: list[tuple[int, int, int]] = []
+        self._mask = None
+        self._token_mask = None
+
+    def begin(self, attention_mask) -> None:
+        """Start a forward pass. ``attention_mask``: the model's 2-D ``[batch, past+tokens]`` mask or None."""
+        self.exited = self.mode == EXIT_ONLY
+        self.exit_layer = 0 if self.exited else self.num_layers
+        self._mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+        self._token_mask = None
+
+    def after_backbone(self, layer_idx: int, hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> None:
+        """Ask the rules whether the layers after ``layer_idx`` run as exit layers."""
+        if self.mode != ROUTE or layer_idx + 1 >= self.num_layers:
+            return
+        if self.rules(layer_idx, hidden_in, hidden_out, self._tokens(hidden_in.shape[1])):
+            self.exited = True
+            self.exit_layer = layer_idx + 1
+
+    def end(self, batch: int, tokens: int, cache=None) -> None:
+        """Finish a forward pass: log it, and tell a :class:`RiverCache` who served each layer."""
+        self.log.append((batch, tokens, self.exit_layer))
+        if hasattr(cache, "record_exit_layer"):
+            cache.record_exit_layer(self.exit_layer, tokens)
+
+    def _tokens(self, n: int):
+        if self._mask is None:
+            return None
+        if self._token_mask is None or self._token_mask.shape[1] != n:
+            m = self._mask[:, -n:].bool()
+            self._token_mask = None if bool(m.all()) else m
+            if self._token_mask is None:
+                self._mask = None  # every position is real: no masking needed for this pass
+        return self._token_mask
+
+
+class RiverLayer(nn.Module):
+    """A decoder layer that runs its backbone, or its exit copy once the router has exited.
+
+    Called exactly like the wrapped decoder layer (same arguments, same return value). Attributes
+    the model's decoder loop reads from its layers (``attention_type``, ``layer_idx``, ...) are
+    looked up on the backbone.
+
+    Args:
+        backbone: the original decoder layer (kept as is, may be offloaded).
+        exit_layer: its quantized copy, same ``layer_idx``.
+        router: the model's shared :class:`RiverRouter`.
+        layer_idx: position in the decoder stack.
+    """
+
+    def __init__(self, backbone: nn.Module, exit_layer: nn.Module, router: RiverRouter, layer_idx: int):
+        super().__init__()
+        self.backbone = backbone
+        self.exit_layer = exit_layer
+        self.router = router
+        self.river_layer_idx = layer_idx
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        router = self.router
+        if router.exited:
+            return self.exit_layer(hidden_states, *args, **kwargs)
+        out = self.backbone(hidden_states, *args, **kwargs)
+        router.after_backbone(self.river_layer_idx, hidden_states, out[0] if isinstance(out, tuple) else out)
+        return out
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("backbone", "exit_layer") or "backbone" not in self._modules:
+                raise
+            return getattr(self._modules["backbone"], name)
