@@ -1,0 +1,59 @@
+"""``river-hf`` command line: one subcommand per job, each registered by the module that owns it.
+
+A module ``river_hf.<name>.cli`` (or ``river_hf.<name>_cli``) exposes ``register(subparsers)``,
+which adds its subcommand(s) with ``set_defaults(func=handler)``; ``handler(args)`` returns an
+exit status. Heavy imports (torch, transformers) happen inside handlers, so ``--help`` is fast.
+
+A :class:`~river_hf.errors.RiverError` (bad input, missing prerequisite) prints one
+``river-hf: error: ...`` line and exits with status 2; nothing else is caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from .errors import RiverError
+
+#: Modules that may register subcommands, in help order (missing ones are skipped).
+COMMAND_MODULES = (
+    "river_hf.river.cli",
+    "river_hf.eval.cli",
+    "river_hf.bench",
+    "river_hf.stitch.cli",
+    "river_hf.diffusion.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="river-hf",
+        description="Training-free faster decoding for Hugging Face models: River-LLM, R-Stitch, dLLM-Cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"river-hf {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except RiverError as e:
+        print(f"river-hf: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("river-hf: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
