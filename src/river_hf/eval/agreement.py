@@ -13,11 +13,35 @@ import torch
 
 from ..river.cache import RiverCache
 
-__all__ = ["next_token_agreement"]
+__all__ = ["next_token_agreement", "reference_continuation", "kv_cosine_similarity"]
 
 
 @torch.no_grad()
-def next_token_agreement(model, input_ids: torch.Tensor, max_new_tokens: int = 64, eos_token_id=None) -> dict:
+def reference_continuation(model, input_ids: torch.Tensor, max_new_tokens: int = 64, eos_token_id=None):
+    """The unmodified model's greedy continuation of one prompt and its next-token logits.
+
+    Args:
+        model: a River model; run with ``river_mode("backbone")`` (the unmodified model).
+        input_ids: ``[1, prompt_tokens]`` long tensor.
+        max_new_tokens, eos_token_id: as for ``generate``.
+
+    Returns:
+        ``(tokens, logits)``: ``[N]`` long tensor of the new tokens and ``[N, vocab]`` float32 logits,
+        row t being the distribution that predicted token t. Pass it as ``reference=`` to
+        :func:`next_token_agreement` to compare several τ against one reference.
+    """
+    gen_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    if eos_token_id is not None:
+        gen_kwargs["eos_token_id"] = eos_token_id
+    input_ids = input_ids.to(model.device)
+    with model.river_mode("backbone"):
+        ref = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs)
+    return ref.sequences[0, input_ids.shape[1]:], torch.stack([l[0] for l in ref.logits]).float()
+
+
+@torch.no_grad()
+def next_token_agreement(model, input_ids: torch.Tensor, max_new_tokens: int = 64, eos_token_id=None,
+                         reference=None) -> dict:
     """Teacher-forced comparison of River routing against the unmodified (backbone-only) model.
 
     Args:
@@ -25,6 +49,8 @@ def next_token_agreement(model, input_ids: torch.Tensor, max_new_tokens: int = 6
         input_ids: ``[1, prompt_tokens]`` long tensor (one prompt; no padding).
         max_new_tokens: length of the unmodified greedy continuation to follow.
         eos_token_id: stop the reference continuation at this token (default: generation config).
+        reference: optional ``(tokens, logits)`` from :func:`reference_continuation` on the same
+            prompt (skips regenerating it; ``max_new_tokens``/``eos_token_id`` are then unused).
 
     Returns:
         dict with ``positions`` (compared positions: the prefill's prediction plus each decode
@@ -39,13 +65,9 @@ def next_token_agreement(model, input_ids: torch.Tensor, max_new_tokens: int = 6
         raise ValueError(f"next_token_agreement takes one prompt of shape [1, tokens], got {tuple(input_ids.shape)}")
     device = model.device
     input_ids = input_ids.to(device)
-    gen_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    if eos_token_id is not None:
-        gen_kwargs["eos_token_id"] = eos_token_id
-    with model.river_mode("backbone"):
-        ref = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs)
-    ref_tokens = ref.sequences[0, input_ids.shape[1]:]
-    ref_logits = torch.stack([l[0] for l in ref.logits]).float()  # [N, V]
+    if reference is None:
+        reference = reference_continuation(model, input_ids, max_new_tokens, eos_token_id)
+    ref_tokens, ref_logits = reference  # [N], [N, V]
     n = ref_tokens.shape[0]
 
     model.river.log.clear()
@@ -69,4 +91,65 @@ def next_token_agreement(model, input_ids: torch.Tensor, max_new_tokens: int = 6
         "mean_exit_layer": sum(decode) / len(decode) if decode else None,
         "exit_fraction": sum(e < L for e in decode) / len(decode) if decode else None,
         "num_layers": L,
+    }
+
+
+@torch.no_grad()
+def kv_cosine_similarity(model, input_ids: torch.Tensor) -> dict:
+    """Per-layer cosine similarity of exit-layer vs backbone keys and values on the same inputs.
+
+    One backbone-only forward pass over ``input_ids``; forward hooks on each backbone layer's
+    ``self_attn.k_proj``/``v_proj`` capture that projection's input (the layer's normed hidden
+    states) and output, and the exit layer's own ``k_proj``/``v_proj`` are run on that same input.
+    The cosine is taken per token over the whole projection (all KV heads) and averaged over the
+    tokens. Keys are compared before rotary embedding; RoPE rotates both vectors of a position by
+    the same orthogonal map, so the cosine is the same after it. (River-LLM reports this figure to
+    show that an exit layer's KV can stand in for its backbone's: "KV share".)
+
+    Args:
+        model: a River model (its layers are :class:`~river_hf.river.layer.RiverLayer`).
+        input_ids: ``[batch, tokens]`` long tensor without padding.
+
+    Returns:
+        dict with ``k_cosine`` and ``v_cosine`` (lists of L floats, layer order), and their means
+        ``mean_k_cosine``, ``mean_v_cosine``.
+
+    Raises:
+        ValueError: the model's decoder layers have no ``self_attn.k_proj``/``v_proj``.
+    """
+    from ..river.layer import RiverLayer
+
+    layers = [m for m in model.modules() if isinstance(m, RiverLayer)]
+    layers.sort(key=lambda m: m.river_layer_idx)
+    sims = {"k": [None] * len(layers), "v": [None] * len(layers)}
+    handles = []
+
+    def hook(exit_proj, kind, idx):
+        def fn(module, args, output):
+            other = exit_proj(args[0])
+            cos = torch.nn.functional.cosine_similarity(output.float(), other.float(), dim=-1)
+            sims[kind][idx] = float(cos.mean())
+        return fn
+
+    try:
+        for layer in layers:
+            b_attn = getattr(layer.backbone, "self_attn", None)
+            e_attn = getattr(layer.exit_layer, "self_attn", None)
+            if b_attn is None or not hasattr(b_attn, "k_proj") or not hasattr(b_attn, "v_proj"):
+                raise ValueError(f"layer {layer.river_layer_idx} has no self_attn.k_proj/v_proj to compare")
+            for kind in ("k", "v"):
+                proj = f"{kind}_proj"
+                handles.append(getattr(b_attn, proj).register_forward_hook(
+                    hook(getattr(e_attn, proj), kind, layer.river_layer_idx)))
+        input_ids = input_ids.to(model.device)
+        with model.river_mode("backbone"):
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {
+        "k_cosine": sims["k"],
+        "v_cosine": sims["v"],
+        "mean_k_cosine": sum(sims["k"]) / len(layers),
+        "mean_v_cosine": sum(sims["v"]) / len(layers),
     }

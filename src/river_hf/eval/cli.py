@@ -1,0 +1,111 @@
+"""``river-hf eval``: task accuracy and agreement with the unmodified model, at one or more τ."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ..errors import RiverError
+
+#: Default new-token budget per task.
+MAX_NEW_TOKENS = {"gsm8k": 256, "humaneval": 384, "agreement": 64}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="score River on GSM8K / HumanEval, or measure its agreement with the unmodified model",
+        description=(
+            "Run a River model at each τ on a task and write a JSON report. gsm8k: exact match of the "
+            "final answer; humaneval: pass@1 (executes model-written code, needs --allow-code-execution); "
+            "agreement: next-token match rate, KL and mean exit layer against the unmodified model, and "
+            "per-layer cosine similarity of exit-layer vs backbone K and V. Greedy, batch 1, chat template."
+        ),
+    )
+    p.add_argument("--task", required=True, choices=sorted(MAX_NEW_TOKENS), help="what to evaluate")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="model key, Hub id or folder (default: %(default)s)")
+    p.add_argument("--tau", action="append", metavar="TAU",
+                   help="τ to evaluate; repeat or give a comma list (e.g. --tau 2 --tau 0.95,0.9). "
+                        "Default: the model's τ from configs/. τ > 1 = the unmodified model")
+    p.add_argument("--limit", type=_positive_int, default=None,
+                   help="evaluate the first N items (default: all; agreement: 10 prompts)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help="new-token budget per item (default: gsm8k 256, humaneval 384, agreement 64)")
+    p.add_argument("--data", default=None,
+                   help="gsm8k only: JSON-lines file or Hub id (default: ../shared/data/gsm8k/test.jsonl, "
+                        "/work/shared/data/gsm8k/test.jsonl, else openai/gsm8k)")
+    p.add_argument("--allow-code-execution", action="store_true",
+                   help="humaneval only: allow running model-written code (subprocess with a timeout)")
+    p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program (default: %(default)s)")
+    p.add_argument("--out", default=None, help="JSON report path (default: eval_<task>_<model>.json)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.set_defaults(func=handler)
+
+
+def handler(args) -> int:
+    from .common import load_river_model, log, parse_taus, versions, write_json
+
+    taus = parse_taus(args.tau)
+    if args.task == "humaneval" and not args.allow_code_execution:
+        raise RiverError(
+            "HumanEval scoring executes model-written code; rerun with --allow-code-execution "
+            "only on a machine where running untrusted code is acceptable"
+        )
+    if args.timeout <= 0:
+        raise RiverError(f"--timeout must be positive seconds, got {args.timeout}")
+    out = args.out or f"eval_{args.task}_{args.model.replace('/', '_')}.json"
+    max_new = args.max_new_tokens or MAX_NEW_TOKENS[args.task]
+    progress = not args.no_progress
+
+    from .tasks import TASKS
+
+    start = time.perf_counter()
+    model, tokenizer, default_tau = load_river_model(args.model, taus[0] if taus else None, progress=progress)
+    taus = taus or [default_tau]
+    kwargs = dict(max_new_tokens=max_new, progress=progress)
+    if args.task == "gsm8k":
+        kwargs.update(limit=args.limit, data=args.data)
+    elif args.task == "humaneval":
+        kwargs.update(limit=args.limit, allow_code_execution=True, timeout=args.timeout)
+    else:
+        kwargs.update(limit=args.limit or 10)
+    report = TASKS[args.task](model, tokenizer, taus, **kwargs)
+    result = {
+        "task": args.task,
+        "model": args.model,
+        "default_tau": default_tau,
+        "taus": taus,
+        "limit": args.limit,
+        "max_new_tokens": max_new,
+        "greedy": True,
+        "num_layers": model.river.num_layers,
+        "river_config": model.river_config.to_dict(),
+        **report,
+        "versions": versions(),
+        "wall_s": time.perf_counter() - start,
+        "command": "river-hf " + " ".join(sys.argv[1:]) if sys.argv and "river" in sys.argv[0] else None,
+    }
+    write_json(out, result)
+    metric = report["metric"]
+    for r in report["results"]:
+        extra = f"  KL {r['mean_kl']:.4f}" if "mean_kl" in r and r["mean_kl"] is not None else ""
+        tps = f"  {r['tokens_per_s']:.1f} tokens/s" if r.get("tokens_per_s") else ""
+        mel = r.get("mean_exit_layer")
+        print(f"tau {r['tau']:g}: {metric} {r[metric]:.3f}{extra}  mean exit layer "
+              f"{'n/a' if mel is None else f'{mel:.2f}'}/{model.river.num_layers}{tps}")
+    if "kv_cosine" in report:
+        kv = report["kv_cosine"]
+        print(f"exit vs backbone cosine: K {kv['mean_k_cosine']:.4f}  V {kv['mean_v_cosine']:.4f} (mean over layers)")
+    log(f"wrote {out} ({result['wall_s']:.0f} s)")
+    return 0

