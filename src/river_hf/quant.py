@@ -126,3 +126,24 @@ def _tensor_bytes(t: torch.Tensor) -> int:
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
+
+
+#: quanto weight types that run on a packed int4 kernel (tinygemm on CPU/CUDA, Marlin on CUDA).
+_FAST_INT4_TYPES = ("TinyGemmWeightQBitsTensor", "MarlinInt4WeightQBitsTensor")
+
+
+def fast_kernel_fraction(model: nn.Module) -> float | None:
+    """Fraction of the exit layers' quantized Linears that got a packed int4 kernel.
+
+    On CPU, quanto packs a ``qint4`` Linear for the fast kernel only when its ``in_features`` is a
+    multiple of 128 and activations are bf16; the others dequantize on every call, 10-30x slower.
+    Returns None when the model has no quantized exit Linears (e.g. the ``copy`` backend).
+    """
+    kinds = [
+        type(m.weight).__name__
+        for name, m in model.named_modules()
+        if ".exit_layer." in f".{name}." and type(m).__name__.startswith("QLinear")
+    ]
+    if not kinds:
+        return None
+    return sum(k in _FAST_INT4_TYPES for k in kinds) / len(kinds)
