@@ -50,11 +50,20 @@ def test_bench_json_png_and_exact_row(tiny_folder, tmp_path):
     # The 4-bit model reads fewer weight bytes per token than the unmodified one.
     assert rows["4-bit"]["weight_bytes_per_token"] < rows["unmodified"]["weight_bytes_per_token"]
 
+    # --plot-only redraws from the report, merging reports of the same task into one panel.
+    other = tmp_path / "eval2.json"
+    other.write_text(json.dumps({"task": "gsm8k", "metric": "exact_match", "results": [{"tau": 0.5, "exact_match": 0.3}]}))
+    png.unlink()
+    assert main(["bench", "--plot-only", "--out", str(out), "--eval-json", str(evaljson), "--eval-json", str(other)]) == 0
+    assert png.is_file()
+    assert json.loads(out.read_text())["rows"] == report["rows"]
+
 
 @pytest.mark.parametrize("args, message", [
     (["--taus", "2,x"], "tau must be a number"),
     (["--out", "bench.txt"], ".json"),
     (["--eval-json", "missing.json"], "not a river-hf eval report"),
+    (["--plot-only", "--out", "none.json"], "needs an existing bench report"),
 ])
 def test_bench_bad_input(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

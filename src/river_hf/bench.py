@@ -62,6 +62,8 @@ def register(subparsers) -> None:
     p.add_argument("--eval-json", action="append", default=[], metavar="FILE",
                    help="river-hf eval report(s) (gsm8k/humaneval) to plot tokens/s against accuracy")
     p.add_argument("--out", default=None, help="JSON report (default: bench_<model>.json); the PNG goes next to it")
+    p.add_argument("--plot-only", action="store_true",
+                   help="run nothing: redraw the PNG of the existing --out report (e.g. with new --eval-json files)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=handler)
 
@@ -152,6 +154,14 @@ def run_bench(model, prompt_ids, taus, *, new_tokens=64, repeats=3, progress=Tru
     return rows
 
 
+def _merge_evals(pairs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """One panel per task and metric: scores of several reports of the same task are merged by τ."""
+    merged: dict[str, dict] = {}
+    for name, scores in pairs:
+        merged.setdefault(name, {}).update(scores)
+    return list(merged.items())
+
+
 def _eval_scores(path: str) -> tuple[str, dict]:
     import json
 
@@ -213,10 +223,23 @@ def handler(args) -> int:
     taus = parse_taus(args.taus)
     if args.new_tokens < 2:
         raise RiverError("--new-tokens must be at least 2 (one prefill token plus decode steps to time)")
-    evals = [_eval_scores(p) for p in args.eval_json]
+    evals = _merge_evals([_eval_scores(p) for p in args.eval_json])
     out = Path(args.out or f"bench_{args.model.replace('/', '_')}.json")
     if out.suffix != ".json":
         raise RiverError(f"--out must name a .json file, got {str(out)!r}")
+    if args.plot_only:
+        import json
+
+        try:
+            report = json.loads(out.read_text())
+            report["rows"]
+        except (OSError, ValueError, KeyError) as e:
+            raise RiverError(f"--plot-only needs an existing bench report at --out {out} ({type(e).__name__})") from None
+        plot_bench(report, out.with_suffix(".png"), evals)
+        report["eval_json"] = list(args.eval_json)
+        write_json(out, report)
+        log(f"redrew {out.with_suffix('.png')}")
+        return 0
     progress = not args.no_progress
 
     start = time.perf_counter()
