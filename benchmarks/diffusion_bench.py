@@ -44,53 +44,16 @@ def _write(path: str, data: bytes | str) -> None:
     os.replace(tmp, path)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="1b", help="test model size: tiny, small, 1b (default 1b)")
-    ap.add_argument("--layout", default="llada", choices=["llada", "llama"])
-    ap.add_argument("--prompt-length", type=int, default=64)
-    ap.add_argument("--gen-length", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=128)
-    ap.add_argument("--block-length", type=int, default=32)
-    ap.add_argument("--settings", default="50,7,0.25;100,8,0.1;10,3,0.5", help="'Kp,Kr,rho;...'")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (same for every run)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="docs/results/diffusion_llada1b_cpu", help="output path without extension")
-    args = ap.parse_args(argv)
-
-    from river_hf.diffusion import DLLMCacheConfig, build_test_model, generate
-
-    torch.set_num_threads(args.threads)
-    settings = parse_settings(args.settings)
-    t0 = time.perf_counter()
-    model = build_test_model(args.layout, args.size, seed=args.seed, dtype=getattr(torch, args.dtype))
-    build_s = time.perf_counter() - t0
-    n_params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    mask_id = model.config.mask_token_id
-    g = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, min(mask_id, model.config.vocab_size) - 1, (1, args.prompt_length), generator=g)
-    kw = dict(steps=args.steps, gen_length=args.gen_length, block_length=args.block_length, mask_id=mask_id,
-              progress=True, return_stats=True)  # fmt: skip
-    print(f"model: {args.layout} {args.size}, {n_params / 1e9:.3f}e9 params, built in {build_s:.0f} s", flush=True)
-
-    # warm-up forward (allocations, thread pools), then the target setting first so a slow cached path
-    # shows early in the log; the uncached reference follows, then the other settings.
-    with torch.inference_mode():
-        model(input_ids=torch.cat([prompt, torch.full((1, args.gen_length), mask_id)], 1))
-    outs, stats = {}, {}
-    order = [settings[0], None, *settings[1:]]
-    for s in order:
-        name = "uncached" if s is None else f"Kp={s[0]},Kr={s[1]},rho={s[2]}"
-        cache = None if s is None else DLLMCacheConfig(*s)
-        outs[name], stats[name] = generate(model, prompt, cache=cache, **kw)
-        print(f"{name}: {stats[name]['seconds']:.1f} s, FLOPs ratio {stats[name]['flops_ratio']:.2f}x", flush=True)
+def write_results(args, model, outs, stats, settings, n_params, weight_bytes) -> None:
+    """Write <out>.json/.png/.md for the runs finished so far (each via a temp file + os.replace)."""
     ref = outs["uncached"]
     runs = []
     for s in [None, *settings]:
+        if ("uncached" if s is None else f"Kp={s[0]},Kr={s[1]},rho={s[2]}") not in outs:
+            continue
         name = "uncached" if s is None else f"Kp={s[0]},Kr={s[1]},rho={s[2]}"
-        agree = (outs[name][:, args.prompt_length :] == ref[:, args.prompt_length :]).float().mean().item()
+        done = args.prompt_length + stats[name]["steps"] * args.block_length // (args.steps * args.block_length // args.gen_length)
+        agree = (outs[name][:, args.prompt_length : done] == ref[:, args.prompt_length : done]).float().mean().item()
         runs.append({"name": name, "cache": None if s is None else dict(zip(("Kp", "Kr", "rho"), s)),
                      **stats[name], "agreement": agree})  # fmt: skip
 
@@ -107,10 +70,11 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model": {"layout": args.layout, "size": args.size, "params": n_params, "weight_bytes": weight_bytes,
                   "dtype": args.dtype, "config": model.config.to_dict()},  # fmt: skip
-        "setup": {"prompt_length": args.prompt_length, "gen_length": args.gen_length, "steps": args.steps,
+        "setup": {"blocks_timed": args.blocks or args.gen_length // args.block_length, "prompt_length": args.prompt_length, "gen_length": args.gen_length, "steps": args.steps,
                   "block_length": args.block_length, "batch": 1, "temperature": 0.0, "remasking": "low_confidence",
                   "threads": args.threads, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
                   "cpu_count": os.cpu_count(), "load_avg_at_end": os.getloadavg()},  # fmt: skip
+        "complete": len(runs) == 1 + len(settings),
         "runs": runs,
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -146,6 +110,7 @@ def main(argv=None) -> int:
     lines = [
         f"# dLLM-Cache speed: random-weight {n_params / 1e9:.2f}B LLaDA-layout model on CPU",
         "",
+        "" if result["complete"] else f"**Incomplete: {len(runs)} of {1 + len(settings)} runs finished.**\n",
         "Random-weight **speed** measurement: token agreement with a random model says nothing about",
         "answer quality (that needs real LLaDA/Dream weights, not available offline here).",
         "",
@@ -167,6 +132,54 @@ def main(argv=None) -> int:
                      f"{r['weight_gb_s']:.1f} | {r['flops_ratio']:.2f}x | {r['agreement']:.3f} |")  # fmt: skip
     lines += ["", f"![plot]({os.path.basename(args.out)}.png)", ""]
     _write(args.out + ".md", "\n".join(lines))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="1b", help="test model size: tiny, small, 1b (default 1b)")
+    ap.add_argument("--layout", default="llada", choices=["llada", "llama"])
+    ap.add_argument("--prompt-length", type=int, default=64)
+    ap.add_argument("--gen-length", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--block-length", type=int, default=32)
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="time only the first N blocks of the schedule (same schedule, fewer steps run)")
+    ap.add_argument("--settings", default="50,7,0.25;100,8,0.1;10,3,0.5", help="'Kp,Kr,rho;...'")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (same for every run)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="docs/results/diffusion_llada1b_cpu", help="output path without extension")
+    args = ap.parse_args(argv)
+
+    from river_hf.diffusion import DLLMCacheConfig, build_test_model, generate
+
+    torch.set_num_threads(args.threads)
+    settings = parse_settings(args.settings)
+    t0 = time.perf_counter()
+    model = build_test_model(args.layout, args.size, seed=args.seed, dtype=getattr(torch, args.dtype))
+    build_s = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    mask_id = model.config.mask_token_id
+    g = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, min(mask_id, model.config.vocab_size) - 1, (1, args.prompt_length), generator=g)
+    kw = dict(steps=args.steps, gen_length=args.gen_length, block_length=args.block_length, mask_id=mask_id,
+              progress=True, return_stats=True, max_blocks=args.blocks)  # fmt: skip
+    print(f"model: {args.layout} {args.size}, {n_params / 1e9:.3f}e9 params, built in {build_s:.0f} s", flush=True)
+
+    # warm-up forward (allocations, thread pools), then the target setting first so a slow cached path
+    # shows early in the log; the uncached reference follows, then the other settings.
+    with torch.inference_mode():
+        model(input_ids=torch.cat([prompt, torch.full((1, args.gen_length), mask_id)], 1))
+    outs, stats = {}, {}
+    order = [settings[0], None, *settings[1:]]
+    for s in order:
+        name = "uncached" if s is None else f"Kp={s[0]},Kr={s[1]},rho={s[2]}"
+        cache = None if s is None else DLLMCacheConfig(*s)
+        outs[name], stats[name] = generate(model, prompt, cache=cache, **kw)
+        print(f"{name}: {stats[name]['seconds']:.1f} s, FLOPs ratio {stats[name]['flops_ratio']:.2f}x", flush=True)
+        if "uncached" in outs:  # write what is measured so far (a killed run still leaves results)
+            write_results(args, model, outs, stats, settings, n_params, weight_bytes)
     print(f"wrote {args.out}.json/.png/.md", flush=True)
     return 0
 

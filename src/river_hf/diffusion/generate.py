@@ -107,6 +107,7 @@ def generate(
     generator: torch.Generator | None = None,
     progress: bool = False,
     return_stats: bool = False,
+    max_blocks: int | None = None,
 ):
     """Denoise ``gen_length`` masked tokens after each prompt (LLaDA-style masked diffusion).
 
@@ -128,6 +129,8 @@ def generate(
         generator: torch generator for Gumbel noise and random remasking (None: global RNG).
         progress: show a tqdm bar over denoising steps.
         return_stats: also return a stats dict.
+        max_blocks: stop after this many blocks (later answer positions stay [MASK]); for timing a
+            long schedule on a slow machine. None = all blocks.
 
     Returns:
         ``[B, P + G]`` int64 sequences (prompt followed by the answer); with ``return_stats``,
@@ -157,6 +160,7 @@ def generate(
 
     num_blocks = gen_length // block_length
     steps_per_block = steps // num_blocks
+    run_blocks = num_blocks if max_blocks is None else max(0, min(num_blocks, int(max_blocks)))
     use_keep = _accepts(model, "logits_to_keep")
 
     ctx = attach_cache(model, cache, p, key_mask) if cache is not None else None
@@ -165,10 +169,10 @@ def generate(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=steps, desc="denoising" + (" (dLLM-Cache)" if cache else ""), unit="step")
+        bar = tqdm(total=run_blocks * steps_per_block, desc="denoising" + (" (dLLM-Cache)" if cache else ""), unit="step")
     t0 = time.perf_counter()
     try:
-        for blk in range(num_blocks):
+        for blk in range(run_blocks):
             lo, hi = p + blk * block_length, p + (blk + 1) * block_length
             n_transfer = num_transfer_tokens(x[:, lo:hi] == mask_id, steps_per_block)
             # positions whose logits predict the block (Dream: one to the left)
@@ -196,15 +200,16 @@ def generate(
 
     if not return_stats:
         return x
+    steps_run = run_blocks * steps_per_block
     per_forward = uncached_layer_flops(model, t_total)
-    full = None if per_forward is None else per_forward * b * steps
+    full = None if per_forward is None else per_forward * b * steps_run
     spent = fc.layer_flops if fc is not None else full
     if fc is not None:
         full = fc.layer_flops_full
     stats = {
-        "steps": steps,
+        "steps": steps_run,
         "seconds": seconds,
-        "tokens_per_s": b * gen_length / seconds if seconds > 0 else float("inf"),
+        "tokens_per_s": b * run_blocks * block_length / seconds if seconds > 0 else float("inf"),
         "layer_flops": spent,
         "layer_flops_full": full,
         "flops_ratio": (full / spent) if spent else None,

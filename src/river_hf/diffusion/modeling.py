@@ -148,10 +148,12 @@ class LLaDARotaryEmbedding(nn.Module):
     def __init__(self, config: LLaDALayoutConfig):
         super().__init__()
         self.config = config
+        self.inv_freq = nn.Buffer(self.compute_inv_freq(config), persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(config: LLaDALayoutConfig) -> torch.Tensor:
         dim = config.d_model // config.n_heads
-        self.inv_freq = nn.Buffer(
-            1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), persistent=False
-        )
+        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
     def get_rotary_embedding(self, seq_len: int, device: torch.device):
         t = torch.arange(seq_len, device=device, dtype=torch.float)
@@ -231,6 +233,9 @@ class LLaDALayoutPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, LlamaRMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, LLaDARotaryEmbedding):  # non-persistent buffer: not in checkpoints
+            with torch.no_grad():
+                module.inv_freq.copy_(module.compute_inv_freq(self.config))
 
 
 class LLaDALayoutForMaskedLM(LLaDALayoutPreTrainedModel):
