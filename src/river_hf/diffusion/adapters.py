@@ -1,7 +1,7 @@
 """Layer adapters: how dLLM-Cache reads one decoder layer of a given layout, piece by piece.
 
 dLLM-Cache (Liu et al., 2025, "dLLM-Cache: Accelerating Diffusion Large Language Models with
-Adaptive Caching", Sec. 3) needs to run a pre-norm transformer layer in parts: the attention
+Adaptive Caching", arXiv:2506.06295, Methodology) needs to run a pre-norm transformer layer in parts: the attention
 input norm, the Q/K/V projections (K and V are cached *before* rotary), rotary at arbitrary
 positions, the output projection, and the FFN (norm included). Each layout has one small adapter
 that names those parts; the caching rule itself lives once, in :mod:`river_hf.diffusion.cache`.
@@ -150,10 +150,10 @@ class HFDecoderLayerAdapter(LayerAdapter):
         attn = layer.self_attn
         self.attn = attn
         cfg = attn.config
-        self.head_dim = attn.head_dim
         self.num_heads = cfg.num_attention_heads
+        self.head_dim = getattr(attn, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
         self.num_kv_heads = cfg.num_key_value_heads
-        self.scaling = float(attn.scaling)
+        self.scaling = float(getattr(attn, "scaling", self.head_dim**-0.5))  # older remote code (Dream) has none
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
         self.k_module = self.k_norm if self.k_norm is not None else attn.k_proj

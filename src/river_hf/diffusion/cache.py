@@ -1,15 +1,16 @@
 """dLLM-Cache: adaptive reuse of prompt and response features across denoising steps.
 
 Rules (Liu et al., 2025, "dLLM-Cache: Accelerating Diffusion Large Language Models with Adaptive
-Caching", arXiv:2506.06295, Sec. 3 "Methodology"; public code ``dllm_cache/hooks``):
+Caching", arXiv:2506.06295, Methodology section; public code github.com/maomaocun/dLLM-cache,
+``dllm_cache/hooks`` and ``dllm_cache/cache``):
 
 * Per layer, keep separately for prompt and response positions: K and V (before rotary), the
-  attention output and the FFN output (Sec. 3.2, "features cached per layer").
+  attention output and the FFN output (the per-layer prompt cache and response cache).
 * One step counter over the whole generation (one step = one model forward). Prompt features are
   recomputed when ``step % prompt_interval == 0`` (long-interval prompt caching, Kp), response
   features when ``step % response_interval == 0`` (short-interval response caching, Kr); step 0
   refreshes both.
-* Other steps: V-verify (Sec. 3.3, "adaptive partial response update"): compute fresh V for every
+* Other steps: V-verify (the paper's adaptive partial response update): compute fresh V for every
   response token, take its cosine similarity with the cached V, and recompute attention and FFN only
   for the ``ratio`` (rho) fraction of response tokens with the lowest similarity. Their queries attend
   to all cached K/V (fresh V for the response, fresh K for the selected tokens); the results are
@@ -40,7 +41,7 @@ __all__ = ["DLLMCacheConfig", "FeatureCache", "CachedLayer", "select_response_to
 
 @dataclass(frozen=True)
 class DLLMCacheConfig:
-    """dLLM-Cache settings (paper Sec. 3; defaults from its LLaDA experiments).
+    """dLLM-Cache settings (paper's Methodology; defaults as in its LLaDA GSM8K-style runs: Kp 50, Kr 7, rho 0.25).
 
     Args:
         prompt_interval: Kp, refresh prompt features every Kp denoising steps (>= 1).
@@ -234,7 +235,7 @@ class CachedLayer(nn.Module):
         return out
 
     def _partial(self, x: torch.Tensor, rot) -> torch.Tensor:
-        """Prompt refresh, response refresh or V-verify step (paper Sec. 3.3)."""
+        """Prompt refresh, response refresh or V-verify step (paper's Methodology; public code's hook)."""
         fc, ad = self.cache, self.adapter
         st = fc.layers.get(self.cache_layer_idx)
         if st is None:

@@ -1,7 +1,7 @@
 """Masked-diffusion generation loop (LLaDA style), uncached or through dLLM-Cache.
 
 The rules follow LLaDA (Nie et al., 2025, "Large Language Diffusion Models", arXiv:2502.09992,
-Sec. 2.4 "Inference" and Appendix B.2/B.3; public ``generate.py``):
+Sec. 2.4 "Inference" with its appendix on sampling; public ``generate.py`` of ML-GSAI/LLaDA):
 
 * The answer starts as ``gen_length`` [MASK] tokens after the prompt and is denoised block by block
   (semi-autoregressive remasking, ``block_length`` tokens per block), each block over
