@@ -8,7 +8,6 @@ statistics; ``--compare`` also runs uncached generation and reports speedup and 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
