@@ -259,8 +259,9 @@ def generate(
         :class:`StitchStats` is also left in ``llm.stitch_stats``.
 
     Raises:
-        RiverError: batch size > 1, an empty prompt, a negative budget, or a pair that does not share
-            a tokenizer.
+        RiverError: batch size > 1, an empty prompt, a negative budget, beam search, an argument that
+            is neither listed here nor a ``GenerationConfig`` field, or a pair that does not share a
+            tokenizer.
     """
     t_start = time.perf_counter()
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -273,7 +274,12 @@ def generate(
     check_pair(slm, llm, assistant_tokenizer, tokenizer)
     V = int(vocab_size) if vocab_size is not None else shared_vocab_size(slm, llm, tokenizer)
 
-    gen_cfg, _ = llm._prepare_generation_config(generation_config, **generation_kwargs)
+    gen_cfg, unused = llm._prepare_generation_config(generation_config, **generation_kwargs)
+    if unused:
+        raise RiverError(
+            f"R-Stitch does not take {', '.join(sorted(unused))}: pass generation settings "
+            "(do_sample, temperature, top_k, top_p, ...) or a GenerationConfig"
+        )
     if max_new_tokens is None:
         max_new_tokens = gen_cfg.max_new_tokens if gen_cfg.max_new_tokens is not None else 20
     if max_new_tokens < 0:
