@@ -67,14 +67,18 @@ def main() -> None:
         print(f"τ={tau}: next-token match {row['next_token_match']:.3f}, KL {row['mean_kl']:.4f} nats, "
               f"mean exit layer {row['mean_exit_layer']:.2f}/{row['num_layers']}, "
               f"exit fraction {row['exit_fraction']:.2f}", flush=True)
+        if args.out:  # rewritten after every τ, so a stopped run keeps what it measured
+            _write(args, rows)
+
+
+def _write(args, rows) -> None:
     result = {"model": args.model, "prompts": f"first {args.n_prompts} HumanEval prompts, chat template",
               "new_tokens": args.new_tokens, "rows": rows}
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, out)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out)
 
 
 if __name__ == "__main__":
