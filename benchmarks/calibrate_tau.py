@@ -38,18 +38,20 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from river_hf import RiverForCausalLM, resolve
-    from river_hf.eval.agreement import next_token_agreement
+    from river_hf.eval.agreement import next_token_agreement, reference_continuation
     from river_hf.river.cli import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(resolve(args.model))
     model = RiverForCausalLM.from_pretrained(args.model, tau=2.0, dtype=torch.float32)
     prompts = [f"Complete this Python function.\n```python\n{p}```" for p in humaneval_prompts(args.n_prompts)]
+    encoded = [encode_prompt(tok, p)["input_ids"] for p in prompts]
+    references = [reference_continuation(model, ids, args.new_tokens) for ids in tqdm(encoded, desc="unmodified")]
     rows = []
     for tau in [float(t) for t in args.taus.split(",")]:
         model.set_river_tau(tau)
         start = time.perf_counter()
-        per = [next_token_agreement(model, encode_prompt(tok, p)["input_ids"], args.new_tokens)
-               for p in tqdm(prompts, desc=f"τ={tau}")]
+        per = [next_token_agreement(model, ids, reference=ref)
+               for ids, ref in tqdm(list(zip(encoded, references)), desc=f"τ={tau}")]
         pos = sum(a["positions"] for a in per)
         row = {
             "tau": tau,
@@ -65,14 +67,18 @@ def main() -> None:
         print(f"τ={tau}: next-token match {row['next_token_match']:.3f}, KL {row['mean_kl']:.4f} nats, "
               f"mean exit layer {row['mean_exit_layer']:.2f}/{row['num_layers']}, "
               f"exit fraction {row['exit_fraction']:.2f}", flush=True)
+        if args.out:  # rewritten after every τ, so a stopped run keeps what it measured
+            _write(args, rows)
+
+
+def _write(args, rows) -> None:
     result = {"model": args.model, "prompts": f"first {args.n_prompts} HumanEval prompts, chat template",
               "new_tokens": args.new_tokens, "rows": rows}
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, out)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out)
 
 
 if __name__ == "__main__":

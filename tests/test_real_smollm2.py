@@ -11,7 +11,7 @@ from river_hf.river.cli import encode_prompt
 
 pytestmark = pytest.mark.real_model
 
-QUESTIONS = ["What is the capital of France?", "Write one sentence about the sea."]
+QUESTIONS = ["What is the capital of France?", "Write one short sentence about the sea, the wind and the sky."]
 
 
 @pytest.fixture(scope="module")

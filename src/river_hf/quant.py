@@ -10,7 +10,7 @@ writes keys and values into the shared cache exactly as its backbone layer would
 Backends:
     ``quanto`` (default): optimum-quanto ``qint4`` weights, group size 128, bf16 activations.
         On CPU a Linear whose ``in_features`` is a multiple of 128 uses a packed int4 kernel;
-        other shapes fall back to a much slower path (see docs/performance.md).
+        other shapes fall back to a much slower path (see docs/river.md).
     ``quanto-int8``: optimum-quanto ``qint8`` weights (W8A16).
     ``copy``: an unquantized copy in the model's dtype. Exit layers then compute exactly what the
         backbone computes, which makes it the reference for testing the routing itself.

@@ -1,0 +1,30 @@
+"""dLLM-Cache for masked diffusion language models (LLaDA, Dream), on HF-style models.
+
+``generate(model, input_ids, steps=..., gen_length=..., block_length=..., mask_id=..., cache=...)``
+runs the LLaDA-style denoising loop; ``cache=DLLMCacheConfig(prompt_interval, response_interval,
+ratio)`` serves the decoder layers through dLLM-Cache (Liu et al., 2025). See docs/diffusion.md.
+"""
+
+from .cache import DLLMCacheConfig, FeatureCache, attach_cache, select_response_tokens
+from .generate import generate, num_transfer_tokens
+from .modeling import (
+    BidirectionalLlamaConfig,
+    BidirectionalLlamaForMaskedLM,
+    LLaDALayoutConfig,
+    LLaDALayoutForMaskedLM,
+    build_test_model,
+)
+
+__all__ = [
+    "BidirectionalLlamaConfig",
+    "BidirectionalLlamaForMaskedLM",
+    "DLLMCacheConfig",
+    "FeatureCache",
+    "LLaDALayoutConfig",
+    "LLaDALayoutForMaskedLM",
+    "attach_cache",
+    "build_test_model",
+    "generate",
+    "num_transfer_tokens",
+    "select_response_tokens",
+]

@@ -18,30 +18,26 @@ __all__ = ["next_token_agreement", "reference_continuation", "kv_cosine_similari
 
 @torch.no_grad()
 def reference_continuation(model, input_ids: torch.Tensor, max_new_tokens: int = 64, eos_token_id=None):
-    """The unmodified model's greedy continuation of one prompt and its next-token logits.
-
-    Args:
-        model: a River model; run with ``river_mode("backbone")`` (the unmodified model).
-        input_ids: ``[1, prompt_tokens]`` long tensor.
-        max_new_tokens, eos_token_id: as for ``generate``.
+    """The unmodified model's greedy continuation of one prompt.
 
     Returns:
-        ``(tokens, logits)``: ``[N]`` long tensor of the new tokens and ``[N, vocab]`` float32 logits,
-        row t being the distribution that predicted token t. Pass it as ``reference=`` to
-        :func:`next_token_agreement` to compare several τ against one reference.
+        ``(tokens, logits)``: ``[N]`` long tensor of new tokens and ``[N, V]`` float32 raw logits
+        (N <= max_new_tokens; shorter when EOS came first). Independent of τ: compute it once and
+        pass it to :func:`next_token_agreement` for several τ.
     """
+    input_ids = input_ids.to(model.device)
     gen_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
     if eos_token_id is not None:
         gen_kwargs["eos_token_id"] = eos_token_id
-    input_ids = input_ids.to(model.device)
     with model.river_mode("backbone"):
         ref = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs)
     return ref.sequences[0, input_ids.shape[1]:], torch.stack([l[0] for l in ref.logits]).float()
 
 
 @torch.no_grad()
-def next_token_agreement(model, input_ids: torch.Tensor, max_new_tokens: int = 64, eos_token_id=None,
-                         reference=None) -> dict:
+def next_token_agreement(
+    model, input_ids: torch.Tensor, max_new_tokens: int = 64, eos_token_id=None, reference=None
+) -> dict:
     """Teacher-forced comparison of River routing against the unmodified (backbone-only) model.
 
     Args:
@@ -49,8 +45,7 @@ def next_token_agreement(model, input_ids: torch.Tensor, max_new_tokens: int = 6
         input_ids: ``[1, prompt_tokens]`` long tensor (one prompt; no padding).
         max_new_tokens: length of the unmodified greedy continuation to follow.
         eos_token_id: stop the reference continuation at this token (default: generation config).
-        reference: optional ``(tokens, logits)`` from :func:`reference_continuation` on the same
-            prompt (skips regenerating it; ``max_new_tokens``/``eos_token_id`` are then unused).
+        reference: ``(tokens, logits)`` from :func:`reference_continuation`, to reuse across τ.
 
     Returns:
         dict with ``positions`` (compared positions: the prefill's prediction plus each decode
@@ -63,8 +58,7 @@ def next_token_agreement(model, input_ids: torch.Tensor, max_new_tokens: int = 6
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"next_token_agreement takes one prompt of shape [1, tokens], got {tuple(input_ids.shape)}")
-    device = model.device
-    input_ids = input_ids.to(device)
+    input_ids = input_ids.to(model.device)
     if reference is None:
         reference = reference_continuation(model, input_ids, max_new_tokens, eos_token_id)
     ref_tokens, ref_logits = reference  # [N], [N, V]

@@ -159,7 +159,7 @@ def _slow_note(result: dict, model) -> str | None:
         reasons.append("no decode step exited at this τ (lower --tau to exit more)")
     if not reasons:
         reasons.append("the model is too small for the int4 kernels' fixed cost per Linear (about 60 µs on a 2-core CPU)")
-    return "River was not faster here: " + "; ".join(reasons) + ". See docs/performance.md."
+    return "River was not faster here: " + "; ".join(reasons) + ". See docs/river.md."
 
 
 def main() -> None:  # pragma: no cover - convenience

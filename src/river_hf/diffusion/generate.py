@@ -1,0 +1,248 @@
+"""Masked-diffusion generation loop (LLaDA style), uncached or through dLLM-Cache.
+
+The rules follow LLaDA (Nie et al., 2025, "Large Language Diffusion Models", arXiv:2502.09992,
+Sec. 2.4 "Inference" with its appendix on sampling; public ``generate.py`` of ML-GSAI/LLaDA):
+
+* The answer starts as ``gen_length`` [MASK] tokens after the prompt and is denoised block by block
+  (semi-autoregressive remasking, ``block_length`` tokens per block), each block over
+  ``steps * block_length / gen_length`` denoising steps.
+* Each step predicts every masked position (argmax of the logits, after Gumbel noise when
+  ``temperature > 0``: ``exp(logits) / (-log u) ** temperature`` in float64, as in LLaDA) and
+  commits an equal share of the block's masked tokens per step (``get_num_transfer_tokens``: the
+  remainder goes to the first steps).
+* Which predictions are committed: the most confident ones (``remasking="low_confidence"``,
+  softmax probability of the predicted token) or random ones (``remasking="random"``); the rest
+  stay masked.
+* Dream (Ye et al., 2025, "Dream 7B") was initialised from an autoregressive model, so its logits are
+  shifted right by one position: the prediction for position i is read at position i - 1
+  (``shift_logits=True``; auto-detected from ``config.shift_logits`` or ``model_type == "dream"``).
+
+Differences from LLaDA's script, all without effect on the committed tokens of a real model:
+logits are only computed for the current block when the model accepts ``logits_to_keep`` (tokens
+before the block are all committed and later ones cannot be chosen); the [MASK] id itself is never
+predicted; [MASK] tokens inside the prompt stay as they are (the prompt is conditioning only).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+
+from ..errors import RiverError
+from .cache import DLLMCacheConfig, attach_cache, uncached_layer_flops
+
+__all__ = ["generate", "num_transfer_tokens"]
+
+
+def num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """How many tokens each step commits (LLaDA ``get_num_transfer_tokens``).
+
+    Args:
+        block_mask: ``[B, block_length]`` bool, True at masked positions.
+        steps: denoising steps for the block.
+
+    Returns:
+        ``[B, steps]`` int64; row sums equal the masked counts, the remainder on the first steps.
+    """
+    n = block_mask.sum(dim=1, keepdim=True)
+    base, rem = n // steps, n % steps
+    out = base.expand(-1, steps).clone()
+    out += (torch.arange(steps, device=n.device)[None, :] < rem).long()
+    return out
+
+
+def _accepts(model, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
+def _check(input_ids, attention_mask, steps, gen_length, block_length, temperature, remasking, cache):
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise RiverError("input_ids must be an int64 tensor of shape [batch, prompt_length]")
+    if input_ids.shape[1] < 1:
+        raise RiverError("the prompt is empty; give at least one prompt token")
+    if gen_length < 1 or block_length < 1 or steps < 1:
+        raise RiverError("steps, gen_length and block_length must be >= 1")
+    if gen_length % block_length:
+        raise RiverError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    blocks = gen_length // block_length
+    if steps % blocks:
+        raise RiverError(f"steps ({steps}) must be a multiple of the number of blocks ({blocks} = gen_length / block_length)")
+    if steps // blocks > block_length:
+        raise RiverError(f"{steps // blocks} steps per block but only {block_length} tokens per block; use fewer steps")
+    if temperature < 0:
+        raise RiverError(f"temperature must be >= 0, got {temperature}")
+    if remasking not in ("low_confidence", "random"):
+        raise RiverError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
+    if cache is not None and not isinstance(cache, DLLMCacheConfig):
+        raise RiverError("cache must be a DLLMCacheConfig or None")
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise RiverError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        if not bool((attention_mask.sum(dim=1) > 0).all()):
+            raise RiverError("a row of attention_mask is all zeros; every prompt needs at least one real token")
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    steps: int,
+    gen_length: int,
+    block_length: int,
+    temperature: float = 0.0,
+    remasking: str = "low_confidence",
+    mask_id: int,
+    cache: DLLMCacheConfig | None = None,
+    attention_mask: torch.Tensor | None = None,
+    shift_logits: bool | None = None,
+    generator: torch.Generator | None = None,
+    progress: bool = False,
+    return_stats: bool = False,
+    max_blocks: int | None = None,
+):
+    """Denoise ``gen_length`` masked tokens after each prompt (LLaDA-style masked diffusion).
+
+    Args:
+        model: a bidirectional masked-diffusion LM whose forward takes ``input_ids`` and
+            ``attention_mask`` and returns ``.logits`` (``[B, T, vocab]``) for all positions. With
+            ``cache`` its layers must be Llama/Qwen2-style decoder layers or LLaDA blocks.
+        input_ids: ``[B, P]`` int64 prompts; padded prompts must be left-padded *or* carry their
+            padding in ``attention_mask`` (padding keys are masked everywhere).
+        steps: total denoising steps (one model forward each), a multiple of the number of blocks.
+        gen_length: number of tokens to generate (``G``), a multiple of ``block_length``.
+        block_length: tokens per semi-autoregressive block.
+        temperature: Gumbel-noise temperature; 0 = greedy (deterministic).
+        remasking: ``"low_confidence"`` or ``"random"``.
+        mask_id: the [MASK] token id (LLaDA 126336, Dream 151666).
+        cache: a :class:`DLLMCacheConfig` to serve the layers through dLLM-Cache; None = uncached.
+        attention_mask: ``[B, P]`` (1 = token, 0 = padding) or None.
+        shift_logits: Dream convention (see module doc); None = auto from the config.
+        generator: torch generator for Gumbel noise and random remasking (None: global RNG).
+        progress: show a tqdm bar over denoising steps.
+        return_stats: also return a stats dict.
+        max_blocks: stop after this many blocks (later answer positions stay [MASK]); for timing a
+            long schedule on a slow machine. None = all blocks.
+
+    Returns:
+        ``[B, P + G]`` int64 sequences (prompt followed by the answer); with ``return_stats``,
+        ``(sequences, stats)`` where stats has ``steps``, ``seconds``, ``tokens_per_s`` (generated
+        tokens of all rows per second), ``layer_flops`` (decoder-layer FLOPs spent, None when the
+        layout is unknown), ``layer_flops_full`` (what uncached would spend), ``flops_ratio``
+        (full / spent), and with a cache ``refresh_counts`` and ``selected_tokens`` (V-verify).
+
+    Raises:
+        RiverError: inconsistent lengths, bad mask, unknown remasking, unsupported layer layout.
+    """
+    _check(input_ids, attention_mask, steps, gen_length, block_length, temperature, remasking, cache)
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    b, p = input_ids.shape
+    t_total = p + gen_length
+    if shift_logits is None:
+        cfg = getattr(model, "config", None)
+        shift_logits = bool(getattr(cfg, "shift_logits", False)) or getattr(cfg, "model_type", "") == "dream"
+
+    x = torch.full((b, t_total), mask_id, dtype=torch.long, device=device)
+    x[:, :p] = input_ids
+    full_mask = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        full_mask = torch.cat([attention_mask.to(device).long(), torch.ones(b, gen_length, dtype=torch.long, device=device)], 1)
+    key_mask = None if full_mask is None else full_mask.bool()
+
+    num_blocks = gen_length // block_length
+    steps_per_block = steps // num_blocks
+    run_blocks = num_blocks if max_blocks is None else max(0, min(num_blocks, int(max_blocks)))
+    use_keep = _accepts(model, "logits_to_keep")
+
+    ctx = attach_cache(model, cache, p, key_mask) if cache is not None else None
+    fc = ctx.__enter__() if ctx is not None else None
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=run_blocks * steps_per_block, desc="denoising" + (" (dLLM-Cache)" if cache else ""), unit="step")
+    t0 = time.perf_counter()
+    try:
+        for blk in range(run_blocks):
+            lo, hi = p + blk * block_length, p + (blk + 1) * block_length
+            n_transfer = num_transfer_tokens(x[:, lo:hi] == mask_id, steps_per_block)
+            # positions whose logits predict the block (Dream: one to the left)
+            keep = torch.arange(lo, hi, device=device) - int(shift_logits)
+            for i in range(steps_per_block):
+                if fc is not None:
+                    fc.next_step()
+                kwargs = {"attention_mask": full_mask}
+                if use_keep:
+                    kwargs["logits_to_keep"] = keep
+                logits = model(input_ids=x, **kwargs).logits
+                if not use_keep:
+                    logits = logits[:, keep]
+                logits = logits.clone()
+                logits[..., mask_id] = float("-inf")
+                _denoise_step(x, logits, lo, hi, n_transfer[:, i], temperature, remasking, mask_id, generator)
+                if bar is not None:
+                    bar.update(1)
+        seconds = time.perf_counter() - t0
+    finally:
+        if bar is not None:
+            bar.close()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    if not return_stats:
+        return x
+    steps_run = run_blocks * steps_per_block
+    per_forward = uncached_layer_flops(model, t_total)
+    full = None if per_forward is None else per_forward * b * steps_run
+    spent = fc.layer_flops if fc is not None else full
+    if fc is not None:
+        full = fc.layer_flops_full
+    stats = {
+        "steps": steps_run,
+        "seconds": seconds,
+        "tokens_per_s": b * run_blocks * block_length / seconds if seconds > 0 else float("inf"),
+        "layer_flops": spent,
+        "layer_flops_full": full,
+        "flops_ratio": (full / spent) if spent else None,
+    }
+    if fc is not None:
+        stats["refresh_counts"] = dict(fc.refresh_counts)
+        stats["selected_tokens"] = fc.selected
+        stats["cache"] = {"prompt_interval": cache.prompt_interval, "response_interval": cache.response_interval,
+                          "ratio": cache.ratio}  # fmt: skip
+    return x, stats
+
+
+def _denoise_step(x, logits, lo, hi, n_transfer, temperature, remasking, mask_id, generator) -> None:
+    """Commit ``n_transfer[b]`` predictions in block ``[lo, hi)`` of row b (LLaDA Sec. 2.4), in place.
+
+    ``logits``: ``[B, hi - lo, vocab]`` predictions for the block's positions.
+    """
+    if temperature > 0:
+        lg = logits.double()
+        u = torch.rand(lg.shape, dtype=torch.float64, device=lg.device, generator=generator)
+        x0 = torch.argmax(lg.exp() / (-torch.log(u)) ** temperature, dim=-1)
+    else:
+        x0 = torch.argmax(logits, dim=-1)
+    if remasking == "low_confidence":
+        probs = torch.softmax(logits.double(), dim=-1)
+        conf = torch.gather(probs, -1, x0.unsqueeze(-1)).squeeze(-1)
+    else:
+        conf = torch.rand(x0.shape, dtype=torch.float64, device=x0.device, generator=generator)
+    block = x[:, lo:hi]
+    masked = block == mask_id
+    conf = torch.where(masked, conf, torch.tensor(float("-inf"), dtype=conf.dtype, device=conf.device))
+    for row in range(x.shape[0]):
+        k = int(n_transfer[row])
+        if k:
+            idx = torch.topk(conf[row], k).indices
+            block[row, idx] = x0[row, idx]

@@ -1,0 +1,256 @@
+"""dLLM-Cache and the masked-diffusion loop on tiny random bidirectional models (both layouts).
+
+First test of every change: Kp = Kr = 1 reproduces uncached generation token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from river_hf.diffusion import (
+    DLLMCacheConfig,
+    attach_cache,
+    build_test_model,
+    generate,
+    num_transfer_tokens,
+    select_response_tokens,
+)
+from river_hf.diffusion.cache import CachedLayer
+from river_hf.errors import RiverError
+
+LAYOUTS = ["llada", "llama"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # the machine is shared; one thread is faster for these tiny matmuls and keeps runs stable
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {layout: build_test_model(layout, "tiny", seed=1) for layout in LAYOUTS}
+
+
+def _prompts(batched: bool, vocab_limit: int = 250):
+    g = torch.Generator().manual_seed(3)
+    if not batched:
+        return torch.randint(0, vocab_limit, (1, 10), generator=g), None
+    ids = torch.randint(0, vocab_limit, (3, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, :7] = 0
+    ids[mask == 0] = 0  # pad id: a real token id, so only the mask keeps it out
+    return ids, mask
+
+
+KW = dict(steps=16, gen_length=16, block_length=8)
+
+
+def _gen(model, ids, mask, cache=None, **kw):
+    return generate(model, ids, mask_id=model.config.mask_token_id, attention_mask=mask, cache=cache, **{**KW, **kw})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("batched", [False, True])
+def test_exactness_switch_kp_kr_1(models, layout, batched):
+    """Kp = Kr = 1 (every step a full refresh) gives the uncached tokens exactly."""
+    model = models[layout]
+    ids, mask = _prompts(batched)
+    ref = _gen(model, ids, mask)
+    for ratio in (0.0, 0.25):
+        out = _gen(model, ids, mask, DLLMCacheConfig(1, 1, ratio))
+        assert torch.equal(out, ref)
+    assert not (ref[:, 10:] == model.config.mask_token_id).any()  # every position was denoised
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_partial_paths_recompute_exactly(models, layout):
+    """Kp = 1 and rho = 1 (prompt refresh + V-verify of *all* response tokens, never a response refresh):
+    the decomposed cached path recomputes everything and matches uncached generation (batched, padded)."""
+    model = models[layout]
+    ids, mask = _prompts(True)
+    ref = _gen(model, ids, mask)
+    out, stats = _gen(model, ids, mask, DLLMCacheConfig(1, 1000, 1.0), return_stats=True)
+    assert stats["refresh_counts"]["prompt"] == KW["steps"] - 1  # the decomposed path really ran
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_branch_reproduces_full_forward_on_unchanged_input(models, layout):
+    """With the same input at every step nothing is stale, so V-verify, prompt-only and response-only
+    refresh steps must all give the logits of the full forward (checks each branch's arithmetic)."""
+    model = models[layout]
+    ids, mask = _prompts(True)
+    b = ids.shape[0]
+    x = torch.cat([ids, torch.full((b, 6), model.config.mask_token_id)], 1)
+    x[:, 12] = 5
+    full_mask = torch.cat([mask, torch.ones(b, 6, dtype=mask.dtype)], 1)
+    with torch.inference_mode():
+        ref = model(input_ids=x, attention_mask=full_mask).logits
+        with attach_cache(model, DLLMCacheConfig(2, 3, 0.5), ids.shape[1], full_mask.bool()) as fc:
+            kinds = []
+            for _ in range(6):  # steps 0..5: full, verify, prompt, response, prompt, verify
+                fc.next_step()
+                kinds.append((fc.refresh_prompt, fc.refresh_response))
+                out = model(input_ids=x, attention_mask=full_mask).logits
+                real = full_mask.bool()
+                torch.testing.assert_close(out[real], ref[real], rtol=1e-4, atol=1e-4)
+    assert set(kinds) == {(True, True), (False, False), (True, False), (False, True)}
+
+
+def test_v_verify_selection_unit():
+    """The rho fraction with the lowest cosine similarity between fresh and cached V is selected."""
+    torch.manual_seed(0)
+    cached = torch.randn(2, 12, 2, 4)
+    fresh = cached.clone()
+    changed = [[1, 7, 10], [0, 3, 11]]
+    for row, idx in enumerate(changed):
+        fresh[row, idx] = -fresh[row, idx] + 0.1 * torch.arange(len(idx)).view(-1, 1, 1)
+    sel = select_response_tokens(fresh, cached, 0.25)  # floor(12 * 0.25) = 3 per row
+    assert sel.shape == (2, 3)
+    for row in range(2):
+        assert sorted(sel[row].tolist()) == changed[row]
+    assert select_response_tokens(fresh, cached, 0.0).shape == (2, 0)
+    assert select_response_tokens(fresh, cached, 0.01).shape == (2, 1)  # at least one when rho > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_v_verify_picks_changed_tokens_in_model(models, layout, monkeypatch):
+    """After committing tokens at two response positions, layer 0's V-verify selects exactly those
+    (layer 0's V depends only on each position's own token)."""
+    import river_hf.diffusion.cache as cache_mod
+
+    model = models[layout]
+    ids, _ = _prompts(False)
+    p, r = ids.shape[1], 8
+    x = torch.cat([ids, torch.full((1, r), model.config.mask_token_id)], 1)
+    seen = []
+    real = cache_mod.select_response_tokens
+    monkeypatch.setattr(cache_mod, "select_response_tokens", lambda *a: seen.append(real(*a)) or seen[-1])
+    with torch.inference_mode(), attach_cache(model, DLLMCacheConfig(100, 100, 0.25), p, None) as fc:
+        fc.next_step()
+        model(input_ids=x)
+        x[0, p + 2], x[0, p + 5] = 7, 9
+        fc.next_step()
+        model(input_ids=x)
+    n_layers = len(seen)
+    assert n_layers == (model.config.num_hidden_layers if layout == "llama" else model.config.n_layers)
+    assert sorted(seen[0][0].tolist()) == [2, 5]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cache", [None, DLLMCacheConfig(5, 3, 0.25)])
+def test_padding_is_masked(models, layout, cache):
+    """A left-padded row of a batch generates what the same prompt generates alone (uncached and cached:
+    the cached attention applies the key padding mask)."""
+    model = models[layout]
+    ids, mask = _prompts(True)
+    batch = _gen(model, ids, mask, cache)
+    for row in range(ids.shape[0]):
+        start = int((mask[row] == 0).sum())
+        alone = _gen(model, ids[row : row + 1, start:], None, cache)
+        assert torch.equal(batch[row, start:], alone[0])
+
+
+def test_padding_mask_matters(models):
+    """Sanity check of the test above: without the mask the padded row's tokens change."""
+    model = models["llada"]
+    ids, mask = _prompts(True)
+    with_mask = _gen(model, ids, mask, DLLMCacheConfig(5, 3, 0.25))
+    without = _gen(model, ids, None, DLLMCacheConfig(5, 3, 0.25))
+    assert not torch.equal(with_mask[2], without[2])
+
+
+def test_dream_shift_and_sampling_exactness():
+    """Dream mode (logits shifted by one), temperature and random remasking: Kp = Kr = 1 stays exact."""
+    model = build_test_model("llama", "tiny", seed=2, dream=True)
+    ids, mask = _prompts(True)
+    for kw in ({"temperature": 0.7}, {"remasking": "random"}):
+        ref = _gen(model, ids, mask, generator=torch.Generator().manual_seed(5), **kw)
+        out = _gen(model, ids, mask, DLLMCacheConfig(1, 1, 0.25), generator=torch.Generator().manual_seed(5), **kw)
+        assert torch.equal(out, ref)
+    plain = _gen(model, ids, mask, shift_logits=False)
+    assert not torch.equal(plain, _gen(model, ids, mask))  # the shift is applied
+
+
+def test_cache_reduces_flops_and_restores_layers(models):
+    model = models["llada"]
+    ids, mask = _prompts(True)
+    before = list(model.state_dict())
+    _, full = _gen(model, ids, mask, DLLMCacheConfig(1, 1, 0.25), return_stats=True)
+    _, st = _gen(model, ids, mask, DLLMCacheConfig(8, 4, 0.25), return_stats=True)
+    _, unc = _gen(model, ids, mask, return_stats=True)
+    assert full["flops_ratio"] == 1.0 and full["layer_flops"] == unc["layer_flops"]
+    assert st["layer_flops_full"] == unc["layer_flops"] and st["flops_ratio"] > 1.5
+    assert st["refresh_counts"] == {"full": 2, "prompt": 0, "response": 2, "verify": 12}
+    assert list(model.state_dict()) == before
+    assert not any(isinstance(m, CachedLayer) for m in model.modules())
+
+    def boom(module, args, kwargs):
+        raise RuntimeError("boom")
+
+    hook = model.register_forward_pre_hook(boom, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):  # an error inside generate also restores the layers
+            _gen(model, ids, mask, DLLMCacheConfig(2, 2, 0.25))
+    finally:
+        hook.remove()
+    assert not any(isinstance(m, CachedLayer) for m in model.modules())
+
+
+def test_num_transfer_tokens():
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, :7] = True
+    mask[1] = True
+    n = num_transfer_tokens(mask, 3)
+    assert n.tolist() == [[3, 2, 2], [3, 3, 2]]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(gen_length=15),  # not a multiple of block_length
+        dict(steps=15),  # not a multiple of the number of blocks
+        dict(steps=32, gen_length=16, block_length=8),  # more steps per block than tokens
+        dict(remasking="top_p"),
+        dict(temperature=-1.0),
+    ],
+)
+def test_bad_arguments(models, kw):
+    ids, mask = _prompts(False)
+    with pytest.raises(RiverError):
+        _gen(models["llada"], ids, mask, **kw)
+
+
+def test_bad_masks_and_config(models):
+    ids, _ = _prompts(True)
+    with pytest.raises(RiverError):
+        _gen(models["llada"], ids, torch.ones(3, 4, dtype=torch.long))
+    zero = torch.ones_like(ids)
+    zero[0] = 0
+    with pytest.raises(RiverError):
+        _gen(models["llada"], ids, zero)
+    for bad in (dict(prompt_interval=0), dict(response_interval=1.5), dict(ratio=1.5)):
+        with pytest.raises(RiverError):
+            DLLMCacheConfig(**bad)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_auto_classes_round_trip(layout, tmp_path):
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    model = build_test_model(layout, "tiny", seed=4)
+    model.save_pretrained(tmp_path)
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    assert type(cfg) is type(model.config)
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model)
+    ids = torch.randint(0, 200, (1, 6))
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+        assert model(input_ids=ids).logits.shape == (1, 6, model.config.vocab_size)

@@ -1,0 +1,59 @@
+"""``river-hf diffuse`` on tiny random test models and on a saved model folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from river_hf.cli import main
+
+SMALL = ["--steps", "8", "--gen-length", "8", "--block-length", "4", "--prompt-length", "6"]
+
+
+def test_diffuse_json_compare(capsys):
+    assert main(["diffuse", "--model", "tiny-llama", *SMALL, "--kp", "1", "--kr", "1", "--compare", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["tokens"]) == 8 and len(out["prompt_ids"]) == 6
+    assert out["agreement"] == 1.0  # Kp = Kr = 1 is exact
+    assert out["stats"]["refresh_counts"]["full"] == 8
+
+
+def test_diffuse_text_output_and_folder(tmp_path, capsys):
+    from river_hf.diffusion import build_test_model
+
+    build_test_model("llada", "tiny", seed=7).save_pretrained(tmp_path)
+    assert main(["diffuse", "--model", str(tmp_path), *SMALL, "--prompt-ids", "1,2,3", "--no-cache"]) == 0
+    text = capsys.readouterr().out
+    assert "tokens:" in text and "cache: none" in text and "8 steps" in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "no-such-model"], "neither a test model"),
+        (["--steps", "7"], "multiple of the number of blocks"),
+        (["--prompt-ids", "1,x"], "comma-separated integers"),
+        (["--prompt-ids", "999999"], "within"),
+        (["--prompt", "hello"], "needs a tokenizer"),
+        (["--ratio", "2"], "ratio"),
+    ],
+)
+def test_diffuse_bad_input(argv, message, capsys):
+    assert main(["diffuse", *SMALL, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("river-hf: error:") and message in err and err.count("\n") == 1
+
+
+def test_diffuse_subprocess_help_and_error():
+    env = {**os.environ, "PYTHONPATH": "src"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "river_hf.cli", "diffuse", "--help"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0 and "--ratio" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "river_hf.cli", "diffuse", "--model", "/no/such/dir"], cwd=root,
+                       env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "river-hf: error:" in r.stderr
