@@ -10,7 +10,7 @@ writes keys and values into the shared cache exactly as its backbone layer would
 Backends:
     ``quanto`` (default): optimum-quanto ``qint4`` weights, group size 128, bf16 activations.
         On CPU a Linear whose ``in_features`` is a multiple of 128 uses a packed int4 kernel;
-        other shapes fall back to a much slower path (see docs/performance.md).
+        other shapes fall back to a much slower path (see docs/river.md).
     ``quanto-int8``: optimum-quanto ``qint8`` weights (W8A16).
     ``copy``: an unquantized copy in the model's dtype. Exit layers then compute exactly what the
         backbone computes, which makes it the reference for testing the routing itself.
@@ -126,3 +126,24 @@ def _tensor_bytes(t: torch.Tensor) -> int:
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
+
+
+#: quanto weight types that run on a packed int4 kernel (tinygemm on CPU/CUDA, Marlin on CUDA).
+_FAST_INT4_TYPES = ("TinyGemmWeightQBitsTensor", "MarlinInt4WeightQBitsTensor")
+
+
+def fast_kernel_fraction(model: nn.Module) -> float | None:
+    """Fraction of the exit layers' quantized Linears that got a packed int4 kernel.
+
+    On CPU, quanto packs a ``qint4`` Linear for the fast kernel only when its ``in_features`` is a
+    multiple of 128 and activations are bf16; the others dequantize on every call, 10-30x slower.
+    Returns None when the model has no quantized exit Linears (e.g. the ``copy`` backend).
+    """
+    kinds = [
+        type(m.weight).__name__
+        for name, m in model.named_modules()
+        if ".exit_layer." in f".{name}." and type(m).__name__.startswith("QLinear")
+    ]
+    if not kinds:
+        return None
+    return sum(k in _FAST_INT4_TYPES for k in kinds) / len(kinds)

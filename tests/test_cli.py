@@ -1,0 +1,46 @@
+"""The `river-hf` command line: the main job on the real SmolLM2, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "river_hf.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.real_model
+def test_generate_json_with_compare(smollm2_path):
+    res = run_cli("generate", "What is the capital of France?", "--model", "smollm2-135m", "--tau", "2",
+                  "--max-new-tokens", "8", "--compare", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert "Paris" in out["text"]
+    assert out["token_match_rate"] == 1.0  # τ > 1: identical to the unmodified model
+    assert out["stats"]["tokens_per_s"] > 0 and out["baseline"]["stats"]["tokens_per_s"] > 0
+    assert out["river_config"]["tau"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "   "], "prompt is empty"),
+        (["generate", "hi", "--tau", "fast"], "--tau must be a number"),
+        (["generate", "hi", "--model", "no-such-model"], "unknown model"),
+        (["generate", "hi", "--max-new-tokens", "0"], "at least 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    res = run_cli(*args, timeout=120)
+    assert res.returncode == 2
+    lines = [l for l in res.stderr.strip().splitlines() if l]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in res.stderr
+
+
+def test_help_lists_generate():
+    res = run_cli("--help", timeout=60)
+    assert res.returncode == 0 and "generate" in res.stdout
