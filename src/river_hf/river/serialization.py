@@ -257,7 +257,7 @@ def _plain_view(model):
             model.hf_device_map = device_map
 
 
-def save_river(model, save_directory, *, card: str | None = None, **save_kwargs) -> Path:
+def save_river(model, save_directory, *, card: str | None = None, tokenizer=None, **save_kwargs) -> Path:
     """Write ``model`` (a River model) as a River folder; see the module docstring.
 
     Args:
@@ -265,6 +265,7 @@ def save_river(model, save_directory, *, card: str | None = None, **save_kwargs)
         save_directory: target folder; files in it that this save does not write (a tokenizer
             saved there earlier) are kept, weight files are replaced.
         card: README.md text; default :func:`model_card` without measurements.
+        tokenizer: saved into the same folder (inside the same atomic rename) when given.
         **save_kwargs: passed to the base ``save_pretrained`` (``max_shard_size``, ...).
 
     Returns:
@@ -281,6 +282,8 @@ def save_river(model, save_directory, *, card: str | None = None, **save_kwargs)
         model.config.auto_map = {"AutoModelForCausalLM": f"{Path(MODELING_FILE).stem}.River{base.__name__}"}
         with _plain_view(model):
             base.save_pretrained(model, tmp, **save_kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         (tmp / MODELING_FILE).write_text(_MODELING_TEMPLATE.format(arch=base.__name__, name=f"River{base.__name__}"))
         (tmp / "README.md").write_text(card if card is not None else model_card(model))
         _replace_dir(tmp, out)
@@ -356,8 +359,8 @@ class RiverPretrainedMixin:
             model.__class__ = cls
         return model
 
-    def save_pretrained(self, save_directory, *, card: str | None = None, **kwargs):
+    def save_pretrained(self, save_directory, *, card: str | None = None, tokenizer=None, **kwargs):
         """Write a River folder (base weights, config with ``river`` + ``auto_map``,
-        ``modeling_river.py``, README.md); see :func:`save_river`."""
-        return save_river(self, save_directory, card=card, **kwargs)
+        ``modeling_river.py``, README.md, and ``tokenizer`` when given); see :func:`save_river`."""
+        return save_river(self, save_directory, card=card, tokenizer=tokenizer, **kwargs)
 
