@@ -28,8 +28,9 @@ OS (measured on SmolLM2: about 20 MB kept per layer built, 2 MB with the thresho
 Writes JSON + a PNG bar chart; ratios are taken within one run.
 
 Example (the run in docs/checkpoints.md):
-    PYTHONPATH=src python benchmarks/memory_bench.py --model qwen2.5-coder-1.5b --tau 0.93 \
-        --offload-from 6 --max-new-tokens 48 --out docs/results/memory_qwen2.5-coder-1.5b
+    PYTHONPATH=src python benchmarks/memory_bench.py --model qwen2.5-coder-1.5b --tau 0.9 \
+        --offload-from 6 --max-new-tokens 8 --configs river_offload,river,fully_4bit,unmodified \
+        --out docs/results/memory_qwen2.5-coder-1.5b
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def worker(args) -> dict:
 
     path = resolve(args.model, progress=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(path)
     msgs = [{"role": "user", "content": args.prompt}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) if tok.chat_template else args.prompt
@@ -164,6 +165,46 @@ def plot(results: list[dict], png: Path, title: str) -> None:
     fig.savefig(png, dpi=120)
 
 
+def write_summary(args, argv, results: list[dict]) -> dict:
+    """Ratios and token match over ``results``; writes STEM.json and STEM.png when --out is given."""
+    by = {r["config"]: r for r in results}
+    ratios = {}
+    if "river" in by and "river_offload" in by:
+        for key in ("peak_rss_bytes", "peak_rss_generate_bytes", "peak_gpu_bytes"):
+            a, b = by["river_offload"].get(key), by["river"].get(key)
+            if a and b:
+                ratios[f"river_offload_over_river_{key}"] = a / b
+    if "unmodified" in by:
+        ref = by["unmodified"]["token_ids"]
+        for r in results:
+            n = min(len(ref), len(r["token_ids"]))
+            r["token_match_vs_unmodified"] = sum(a == b for a, b in zip(ref[:n], r["token_ids"][:n])) / max(n, 1)
+    summary = {
+        "command": "PYTHONPATH=src python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "model": args.model,
+        "tau": args.tau,
+        "offload_from": args.offload_from,
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "prompt": args.prompt,
+        "malloc_mmap_threshold": args.malloc_mmap_threshold or None,
+        "ratios": ratios,
+        "results": results,
+    }
+    if args.out:
+        stem = Path(args.out)
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        json_path, png_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"
+        tmp = stem.parent / f".{stem.name}.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, json_path)
+        plot(results, png_path,
+             f"{args.model}, tau={args.tau}, offload_from={args.offload_from}, {args.max_new_tokens} new tokens")
+    return ratios
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -171,6 +212,9 @@ def main(argv=None) -> int:
     p.add_argument("--offload-from", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--dtype", default=None, help="weight dtype (default: float32 on CPU, bfloat16 on GPU); a dtype "
+                   "other than the checkpoint's makes transformers copy the weights into anonymous memory "
+                   "instead of mapping the file")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
     p.add_argument("--malloc-mmap-threshold", type=int, default=65536,
                    help="MALLOC_MMAP_THRESHOLD_ (bytes) for every worker process; 0 keeps glibc's default")
@@ -192,7 +236,7 @@ def main(argv=None) -> int:
     for config in tqdm(configs, desc="configurations", unit="process"):
         cmd = [sys.executable, __file__, "--worker", config, "--model", args.model, "--tau", str(args.tau),
                "--offload-from", str(args.offload_from), "--max-new-tokens", str(args.max_new_tokens),
-               "--prompt", args.prompt]
+               "--prompt", args.prompt] + (["--dtype", args.dtype] if args.dtype else [])
         env = dict(os.environ)
         if args.malloc_mmap_threshold:
             env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
@@ -205,43 +249,11 @@ def main(argv=None) -> int:
         results.append(r)
         gib = 1024**3
         gen = r["peak_rss_generate_bytes"]
+        write_summary(args, argv, results)  # partial results survive an interrupted run
         tqdm.write(f"{config:14s} peak RSS {r['peak_rss_bytes'] / gib:6.2f} GiB (generate {gen / gib if gen else float('nan'):6.2f} GiB)"
                    f"  {r['tokens_per_s']:6.2f} tokens/s  mean exit layer {r.get('mean_exit_layer')}")
 
-    by = {r["config"]: r for r in results}
-    ratios = {}
-    if "river" in by and "river_offload" in by:
-        for key in ("peak_rss_bytes", "peak_rss_generate_bytes", "peak_gpu_bytes"):
-            a, b = by["river_offload"].get(key), by["river"].get(key)
-            if a and b:
-                ratios[f"river_offload_over_river_{key}"] = a / b
-    if "unmodified" in by:
-        ref = by["unmodified"]["token_ids"]
-        for r in results:
-            n = min(len(ref), len(r["token_ids"]))
-            r["token_match_vs_unmodified"] = sum(a == b for a, b in zip(ref[:n], r["token_ids"][:n])) / max(n, 1)
-    summary = {
-        "command": "PYTHONPATH=src python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "model": args.model,
-        "tau": args.tau,
-        "offload_from": args.offload_from,
-        "max_new_tokens": args.max_new_tokens,
-        "prompt": args.prompt,
-        "malloc_mmap_threshold": args.malloc_mmap_threshold or None,
-        "ratios": ratios,
-        "results": results,
-    }
-    print(json.dumps(ratios, indent=1))
-    if args.out:
-        stem = Path(args.out)
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stem.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, stem.with_suffix(".json"))
-        plot(results, stem.with_suffix(".png"),
-             f"{args.model}, tau={args.tau}, offload_from={args.offload_from}, {args.max_new_tokens} new tokens")
+    print(json.dumps(write_summary(args, argv, results), indent=1))
     return 0
 
 
