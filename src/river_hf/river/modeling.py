@@ -27,6 +27,8 @@ from ..quant import get_backend, linear_weight_bytes
 from .cache import RiverCache
 from .controllers import ExitRuleList, MinLayerRule, StateTransitionSimilarityRule, rules_from_config
 from .layer import BACKBONE_ONLY, EXIT_ONLY, ROUTE, RiverLayer, RiverRouter
+from .offload import build_exit_layer, loading_kwargs, offload_backbone
+from .serialization import RiverPretrainedMixin, check_base_weights, saved_river_config
 
 __all__ = ["RiverConfig", "RiverForCausalLM", "enable_river", "default_config", "SUPPORTED_MODEL_TYPES"]
 
@@ -139,8 +141,9 @@ def _decoder_stack(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     )
 
 
-class RiverMixin:
-    """Put in front of a causal-LM class by :func:`enable_river`. Adds River's generate bookkeeping.
+class RiverMixin(RiverPretrainedMixin):
+    """Put in front of a causal-LM class by :func:`enable_river`. Adds River's generate bookkeeping,
+    and ``save_pretrained``/``from_pretrained`` of River folders (:mod:`.serialization`).
 
     Attributes set by ``enable_river``:
         river: the :class:`RiverRouter` (rules, mode, per-pass log).
@@ -293,12 +296,14 @@ def enable_river(
         for i in tqdm(range(len(layers)), desc=f"building exit layers ({quant.name}, {quant.bits}-bit)",
                       disable=not progress, unit="layer"):
             backbone = layers[i]
-            exit_layer = quant.build_exit_layer(backbone)
+            exit_layer = build_exit_layer(quant, backbone)  # also reads an offloaded backbone in
             exit_layer.eval()
             backbone_bytes.append(linear_weight_bytes(backbone))
             exit_bytes.append(linear_weight_bytes(exit_layer))
             layers[i] = RiverLayer(backbone, exit_layer, router, i)
     build_seconds = time.perf_counter() - start
+    if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
+        offload_backbone(layers, config.offload_from, config.offload_dir)
 
     def _begin(module, args, kwargs):
         router.begin(kwargs.get("attention_mask"))
@@ -344,6 +349,7 @@ class RiverForCausalLM:
         min_layer: int | None = None,
         backend: str | None = None,
         river_config: RiverConfig | None = None,
+        offload_from: int | None = None,
         progress: bool = True,
         **from_pretrained_kwargs,
     ):
@@ -352,24 +358,34 @@ class RiverForCausalLM:
         Args:
             name_or_key: see :func:`river_hf.models.resolve`.
             tau, min_layer, backend, river_config: as for :func:`enable_river`; defaults come
-                from ``configs/<key>.json``.
+                from the folder's saved River settings (config.json ``"river"``), else from
+                ``configs/<key>.json``.
+            offload_from: keep backbone layers ``offload_from``.. off the compute device
+                (:mod:`.offload`); they are never resident, not even during the load.
             **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained``
                 (``dtype``, ``device_map``, ...).
 
         Raises:
-            RiverError: unknown model key, unsupported architecture, invalid settings.
+            RiverError: unknown model key, unsupported architecture, invalid settings, a River
+                folder without its base weights.
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from ..models import resolve
 
         path = resolve(name_or_key, progress=progress)
+        check_base_weights(path)
+        if river_config is None:
+            river_config = saved_river_config(path)
         if river_config is None:
             try:
                 model_type = AutoConfig.from_pretrained(path).get_text_config(decoder=True).model_type
             except Exception:
                 model_type = None
             river_config = default_config(name_or_key, model_type)
+        if offload_from is not None:
+            river_config = dataclasses.replace(river_config, offload_from=offload_from)
+        from_pretrained_kwargs = loading_kwargs(path, river_config, from_pretrained_kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
         model.eval()
         return enable_river(model, tau, min_layer=min_layer, backend=backend, config=river_config, progress=progress)

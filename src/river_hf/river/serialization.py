@@ -1,0 +1,366 @@
+"""Hugging Face-native River checkpoints: ``save_pretrained`` / ``from_pretrained`` / ``pipeline``.
+
+Folder layout written by ``model.save_pretrained(out)`` on a River model:
+
+* the base model's weights under their **original names** (``model.safetensors``): the folder
+  also loads as the plain model (``AutoModelForCausalLM.from_pretrained(out)``);
+* ``config.json``: the base model's config plus ``"river"`` (the :class:`RiverConfig`: τ, exit
+  rules, quantization backend and bits, offload policy) and ``"auto_map"``
+  ``{"AutoModelForCausalLM": "modeling_river.River<Arch>ForCausalLM"}``;
+* ``modeling_river.py``: three lines importing that class from the installed river-hf, so
+  ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`` and
+  ``pipeline("text-generation", model=out, trust_remote_code=True)`` return a River model;
+* ``README.md``: a model card (see :func:`model_card`).
+
+Exit layers are **rebuilt at load**, not stored: quantizing is deterministic (same weights, same
+exit layers, same tokens), takes seconds (River-LLM builds them without training), keeps the
+folder a plain checkpoint of the base model (no second, quantized copy of every layer on disk and
+no dependency on optimum-quanto's serialization format), and lets a user change the backend.
+
+Every save is written to a temporary folder next to the target and renamed into place
+(``os.replace``), so an interrupted save never leaves a folder that loads as if whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import RiverError
+
+__all__ = [
+    "RiverPretrainedMixin",
+    "river_class",
+    "base_class",
+    "saved_river_config",
+    "check_base_weights",
+    "save_river",
+    "model_card",
+    "MODELING_FILE",
+]
+
+MODELING_FILE = "modeling_river.py"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+#: Files a save writes itself; other files already in the target folder (tokenizer, ...) are kept.
+_OWN_FILES = ("config.json", "generation_config.json", MODELING_FILE, "README.md")
+
+_MODELING_TEMPLATE = '''"""River-LLM early exit for {arch} (written by river-hf).
+
+Needs ``pip install river-hf``. The weights in this folder are the base model's own; River's
+quantized exit layers are rebuilt from them at load, with the settings in config.json "river".
+"""
+
+from river_hf.river.serialization import river_class
+
+{name} = river_class("{arch}")
+'''
+
+
+def river_class(arch_name: str) -> type:
+    """The River class for a transformers architecture class name, e.g. ``"Qwen2ForCausalLM"``
+    gives ``RiverQwen2ForCausalLM`` (River's mixin in front of ``Qwen2ForCausalLM``)."""
+    import transformers
+
+    from .modeling import _river_class
+
+    base = getattr(transformers, arch_name, None)
+    if base is None:
+        raise RiverError(f"transformers {transformers.__version__} has no model class {arch_name!r}; upgrade transformers")
+    return _river_class(base)
+
+
+def base_class(cls: type) -> type:
+    """The architecture's own ``PreTrainedModel`` class behind a River class (first class in the MRO
+    that is a ``PreTrainedModel`` and not River's)."""
+    from transformers import PreTrainedModel
+
+    from .modeling import RiverMixin
+
+    for c in cls.__mro__:
+        if issubclass(c, PreTrainedModel) and not issubclass(c, RiverMixin):
+            return c
+    raise RiverError(f"{cls.__name__} is not a transformers model class")
+
+
+def _config_dict(path_or_config) -> dict | None:
+    if hasattr(path_or_config, "to_dict"):
+        return {"river": getattr(path_or_config, "river", None)}
+    cfg = Path(path_or_config) / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise RiverError(f"{cfg} is not valid JSON ({e}); the folder is damaged: convert the model again") from None
+
+
+def saved_river_config(path_or_config):
+    """The :class:`RiverConfig` stored under ``"river"`` in a folder's config.json (or in a loaded
+    ``PretrainedConfig``); None when there is none (a plain model).
+
+    Raises:
+        RiverError: the stored settings are invalid (unknown keys, τ not a number, ...).
+    """
+    from .modeling import RiverConfig
+
+    d = _config_dict(path_or_config)
+    settings = None if d is None else d.get("river")
+    if settings is None:
+        return None
+    try:
+        return RiverConfig.from_dict(settings)
+    except RiverError as e:
+        where = path_or_config if isinstance(path_or_config, (str, os.PathLike)) else "the model config"
+        raise RiverError(
+            f"invalid River settings in {where} (config.json \"river\"): {e}; fix or delete that entry, "
+            "or convert the model again with `river-hf convert`"
+        ) from None
+
+
+def check_base_weights(path) -> None:
+    """Raise :class:`RiverError` when a local folder lacks the base model's weights (or a shard
+    named by its index). Hub ids are left to ``from_pretrained``."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    present = [f for f in WEIGHT_FILES if (folder / f).is_file()]
+    if not present:
+        raise RiverError(
+            f"{folder} has no base model weights (none of {', '.join(WEIGHT_FILES)}); the folder is "
+            "incomplete: copy the weights back or re-create it with `river-hf convert MODEL OUT_DIR`"
+        )
+    for index in (f for f in present if f.endswith(".index.json")):
+        try:
+            shards = set(json.loads((folder / index).read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError) as e:
+            raise RiverError(f"{folder / index} is damaged ({e}); re-create the folder with `river-hf convert`") from None
+        missing = sorted(s for s in shards if not (folder / s).is_file())
+        if missing:
+            raise RiverError(
+                f"{folder} lacks weight shard(s) {', '.join(missing)} named in {index}; copy them back or "
+                "re-create the folder with `river-hf convert`"
+            )
+
+
+def _base_model_id(model) -> str | None:
+    """The Hub id of the base model, when it can be told (model key or Hub id)."""
+    from ..models import REGISTRY
+
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    key = Path(name.rstrip("/")).name
+    if key in REGISTRY:
+        return REGISTRY[key].hub_id
+    if name.count("/") == 1 and not os.path.exists(name):
+        return name
+    return None
+
+
+def model_card(model, *, base_model: str | None = None, measurement: dict | None = None) -> str:
+    """README.md text for a River folder: YAML front matter (``base_model``, ``library_name``,
+    ``pipeline_tag``, ``tags``), the River settings, a usage snippet, and the figures of
+    ``measurement`` (as produced by ``river-hf convert --measure``) or a line saying that none
+    were measured."""
+    rc = model.river_config
+    base_model = base_model or _base_model_id(model)
+    quant = rc.to_dict()["quantization"]
+    lines = ["---"]
+    lines.append(f"base_model: {base_model}" if base_model else "# base_model: unknown (converted from a local folder)")
+    lines += [
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags:",
+        "- river-llm",
+        "- early-exit",
+        "- river-hf",
+        "---",
+        "",
+        f"# River-LLM early exit for {base_model or type(model).__name__}",
+        "",
+        "The base model's own weights, plus River-LLM settings: decoding leaves the backbone layers "
+        "once the state transition similarity (cosine of a layer's input and output hidden state) "
+        "exceeds τ, and runs the remaining layers as 4-bit exit copies that share the KV cache.",
+        "Exit layers are rebuilt from these weights at load (seconds). Needs `pip install river-hf`.",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        f"| τ (tau) | {rc.tau} |",
+        f"| min_layer | {rc.min_layer} |",
+        f"| exit layers | {quant['name']}, {quant['bits']}-bit weights, {quant['compute_dtype'] or 'model dtype'} activations |",
+        f"| backbone offload | {'layers ' + str(rc.offload_from) + '.. off the compute device' if rc.offload_from is not None else 'off'} |",
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "from transformers import pipeline",
+        "",
+        'pipe = pipeline("text-generation", model="PATH_OR_REPO", trust_remote_code=True)',
+        'print(pipe("def fibonacci(n):", max_new_tokens=64, do_sample=False)[0]["generated_text"])',
+        "print(pipe.model.river_stats)  # mean exit layer, exit fraction, tokens/s of the last call",
+        "```",
+        "",
+        "The folder also loads as the plain base model without `trust_remote_code`.",
+        "",
+        "## Measurements",
+        "",
+    ]
+    if not measurement:
+        lines.append("Not measured: speed, next-token match and mean exit layer were not measured for this folder "
+                     "(`river-hf convert MODEL OUT_DIR --measure` measures them).")
+    else:
+        m = measurement
+        lines += [
+            f"Measured at conversion on {m['device']} ({m['date']}), {m['prompts']} prompt(s), "
+            f"{m['max_new_tokens']} new tokens each, greedy, command: `{m['command']}`.",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            f"| tokens/s, unmodified model | {m['unmodified_tokens_per_s']:.2f} |",
+            f"| tokens/s, River | {m['river_tokens_per_s']:.2f} |",
+            f"| speed-up | {m['river_tokens_per_s'] / m['unmodified_tokens_per_s']:.2f}x |",
+            f"| {m['match_name']} | {100 * m['match']:.1f} % |",
+            f"| mean exit layer (of {m['num_layers']}) | {m['mean_exit_layer']:.2f} |",
+            f"| decode steps that exited early | {100 * m['exit_fraction']:.1f} % |",
+            "",
+            m.get("note", ""),
+        ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+@contextlib.contextmanager
+def _plain_view(model):
+    """Within the block ``model`` looks like the base model: its class is the architecture's own,
+    each RiverLayer is replaced by its backbone, and offloaded backbones hold their weights."""
+    from .modeling import _decoder_stack
+    from .offload import materialized
+
+    _, layers = _decoder_stack(model)
+    river_layers = list(layers)
+    river_cls = type(model)
+    device_map = model.__dict__.pop("hf_device_map", None)
+    try:
+        with contextlib.ExitStack() as stack:
+            for i, rl in enumerate(river_layers):
+                stack.enter_context(materialized(rl.backbone))
+                layers[i] = rl.backbone
+            model.__class__ = base_class(river_cls)
+            yield model
+    finally:
+        model.__class__ = river_cls
+        for i, rl in enumerate(river_layers):
+            layers[i] = rl
+        if device_map is not None:
+            model.hf_device_map = device_map
+
+
+def save_river(model, save_directory, *, card: str | None = None, tokenizer=None, **save_kwargs) -> Path:
+    """Write ``model`` (a River model) as a River folder; see the module docstring.
+
+    Args:
+        model: a model returned by ``enable_river`` / ``RiverForCausalLM.from_pretrained``.
+        save_directory: target folder; files in it that this save does not write (a tokenizer
+            saved there earlier) are kept, weight files are replaced.
+        card: README.md text; default :func:`model_card` without measurements.
+        tokenizer: saved into the same folder (inside the same atomic rename) when given.
+        **save_kwargs: passed to the base ``save_pretrained`` (``max_shard_size``, ...).
+
+    Returns:
+        The folder. Offloaded backbone layers are read back for the save (the whole model is
+        resident while saving).
+    """
+    out = Path(save_directory)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        settings = dataclasses.replace(model.river_config, offload_dir=None).to_dict()
+        base = base_class(type(model))
+        model.config.river = settings
+        model.config.auto_map = {"AutoModelForCausalLM": f"{Path(MODELING_FILE).stem}.River{base.__name__}"}
+        with _plain_view(model):
+            base.save_pretrained(model, tmp, **save_kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / MODELING_FILE).write_text(_MODELING_TEMPLATE.format(arch=base.__name__, name=f"River{base.__name__}"))
+        (tmp / "README.md").write_text(card if card is not None else model_card(model))
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Put folder ``new`` at ``out`` with renames only, keeping ``out``'s non-weight, non-config files."""
+    if out.is_dir():
+        for f in out.iterdir():
+            weights = f.name.endswith((".safetensors", ".bin")) or f.name in WEIGHT_FILES
+            if f.is_file() and not weights and f.name not in _OWN_FILES and not (new / f.name).exists():
+                shutil.copy2(f, new / f.name)
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "x")
+        os.replace(new, out)
+        shutil.rmtree(old, ignore_errors=True)
+    elif out.exists():
+        raise RiverError(f"{out} exists and is not a folder; choose another output path")
+    else:
+        os.replace(new, out)
+
+
+_RIVER_KWARGS = ("tau", "min_layer", "backend", "offload_from", "offload_dir")
+
+
+class RiverPretrainedMixin:
+    """``from_pretrained`` / ``save_pretrained`` of River classes (a base of ``RiverMixin``)."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load a River folder (or any checkpoint of the architecture) and enable River on it.
+
+        This is what ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` and
+        ``pipeline(..., trust_remote_code=True)`` call through the folder's ``auto_map``.
+
+        Args:
+            pretrained_model_name_or_path: folder or Hub id.
+            river_config: a :class:`RiverConfig` replacing the stored settings.
+            tau, min_layer, backend, offload_from, offload_dir: override single settings.
+            progress: progress bar while exit layers are built (default True).
+            **kwargs: the usual ``from_pretrained`` arguments (``dtype``, ``device_map``, ...).
+
+        Raises:
+            RiverError: base weights missing, invalid River settings.
+        """
+        from transformers import AutoConfig
+
+        from .modeling import default_config, enable_river
+        from .offload import loading_kwargs
+
+        river_config = kwargs.pop("river_config", None)
+        overrides = {k: kwargs.pop(k) for k in _RIVER_KWARGS if k in kwargs}
+        progress = kwargs.pop("progress", True)
+        path = str(pretrained_model_name_or_path)
+        check_base_weights(path)
+        config = kwargs.pop("config", None)
+        if config is None:
+            config = AutoConfig.from_pretrained(path)
+        if river_config is None:
+            river_config = saved_river_config(config)
+        if river_config is None:
+            river_config = default_config(path, config.get_text_config(decoder=True).model_type)
+        river_config = dataclasses.replace(river_config, **overrides)
+        kwargs = loading_kwargs(path, river_config, kwargs, config)
+        model = base_class(cls).from_pretrained(path, *model_args, config=config, **kwargs)
+        model.eval()
+        model = enable_river(model, config=river_config, progress=progress)
+        if issubclass(cls, type(model)):  # the Auto classes hand back a subclass of the River class
+            model.__class__ = cls
+        return model
+
+    def save_pretrained(self, save_directory, *, card: str | None = None, tokenizer=None, **kwargs):
+        """Write a River folder (base weights, config with ``river`` + ``auto_map``,
+        ``modeling_river.py``, README.md, and ``tokenizer`` when given); see :func:`save_river`."""
+        return save_river(self, save_directory, card=card, tokenizer=tokenizer, **kwargs)
+

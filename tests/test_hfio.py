@@ -1,0 +1,157 @@
+"""HF-native River folders: save_pretrained → fresh process → Auto classes / pipeline, and bad input.
+
+The real-model test saves River on SmolLM2-135M and loads the folder in a separate Python process
+through ``AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`` and through
+``pipeline(..., trust_remote_code=True)``; both must give the tokens the saved model gave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from river_hf import RiverConfig, RiverError, RiverForCausalLM, enable_river
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+GEN = dict(max_new_tokens=12, do_sample=False)
+
+
+def _tiny_folder(tmp_path: Path) -> Path:
+    """A tiny random Llama checkpoint saved as a plain transformers folder."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config.pad_token_id = 0
+    out = tmp_path / "tiny"
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def tiny_river_folder(tmp_path):
+    plain = _tiny_folder(tmp_path)
+    model = RiverForCausalLM.from_pretrained(str(plain), tau=0.5, backend="copy", progress=False)
+    out = tmp_path / "river"
+    model.save_pretrained(out)
+    return out
+
+
+def test_folder_layout_and_plain_load(tiny_river_folder):
+    cfg = json.loads((tiny_river_folder / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModelForCausalLM": "modeling_river.RiverLlamaForCausalLM"}
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["river"]["tau"] == 0.5 and cfg["river"]["backend"] == "copy"
+    assert cfg["river"]["quantization"]["name"] == "copy"
+    assert (tiny_river_folder / "modeling_river.py").is_file()
+    card = (tiny_river_folder / "README.md").read_text()
+    assert card.startswith("---\n") and "library_name: transformers" in card and "- river-llm" in card
+    assert "- early-exit" in card and "pipeline_tag: text-generation" in card and "Not measured" in card
+    # Weights are stored under the base model's own names: the folder loads as the plain model.
+    plain = AutoModelForCausalLM.from_pretrained(tiny_river_folder)
+    assert type(plain).__name__ == "LlamaForCausalLM"
+    assert not any("backbone" in k or "exit_layer" in k for k in plain.state_dict())
+    assert not list(tiny_river_folder.parent.glob(".river.tmp-*")), "temporary save folder left behind"
+
+
+def test_round_trip_in_process_keeps_settings(tiny_river_folder):
+    model = RiverForCausalLM.from_pretrained(str(tiny_river_folder), progress=False)
+    assert model.river_config.tau == 0.5 and model.river_config.backend == "copy"
+    auto = AutoModelForCausalLM.from_pretrained(tiny_river_folder, trust_remote_code=True, progress=False)
+    assert auto.river_config == model.river_config
+    ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(model.generate(ids, **GEN), auto.generate(ids, **GEN))
+
+
+def test_missing_base_weights_is_one_clear_error(tiny_river_folder):
+    (tiny_river_folder / "model.safetensors").unlink()
+    with pytest.raises(RiverError, match="no base model weights"):
+        RiverForCausalLM.from_pretrained(str(tiny_river_folder), progress=False)
+    with pytest.raises(RiverError, match="no base model weights"):
+        AutoModelForCausalLM.from_pretrained(tiny_river_folder, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("bad", [{"tau": "fast"}, {"min_layer": 0}, {"speed": 3}, {"backend": "int3"}])
+def test_invalid_river_settings_are_one_clear_error(tiny_river_folder, bad):
+    path = tiny_river_folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["river"].update(bad)
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(RiverError, match="invalid River settings"):
+        RiverForCausalLM.from_pretrained(str(tiny_river_folder), progress=False)
+    with pytest.raises(RiverError, match="invalid River settings"):
+        AutoModelForCausalLM.from_pretrained(tiny_river_folder, trust_remote_code=True)
+
+
+def test_cli_convert_bad_input_exits_2_with_one_line(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    res = subprocess.run([sys.executable, "-m", "river_hf.cli", "convert", str(empty), str(tmp_path / "out")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC})
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "no base model weights" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_convert_tau_not_a_number(tmp_path):
+    from river_hf.cli import main
+
+    assert main(["convert", str(_tiny_folder(tmp_path)), str(tmp_path / "out"), "--tau", "abc"]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_convert_measure_writes_measured_card(tmp_path, smollm2_path):
+    from river_hf.cli import main
+
+    out = tmp_path / "smol-river"
+    assert main(["convert", smollm2_path, str(out), "--tau", "0.9", "--measure", "--measure-tokens", "3"]) == 0
+    card = (out / "README.md").read_text()
+    assert "Not measured" not in card and "tokens/s, River" in card and "next-token match" in card
+    assert (out / "tokenizer.json").is_file() and json.loads((out / "config.json").read_text())["river"]["tau"] == 0.9
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    folder, prompt = sys.argv[1], sys.argv[2]
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok(prompt, return_tensors="pt")
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, progress=False)
+    auto = model.generate(**ids, max_new_tokens=12, do_sample=False)[0].tolist()
+    pipe = pipeline("text-generation", model=folder, trust_remote_code=True)
+    out = pipe(prompt, max_new_tokens=12, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+    print("RESULT " + json.dumps({"auto": auto, "pipeline": list(map(int, out)), "class": type(model).__name__,
+                                  "pipe_class": type(pipe.model).__name__, "tau": model.river_config.tau,
+                                  "exit_fraction": model.river_stats["exit_fraction"]}))
+    """
+)
+
+
+def test_smollm2_save_then_fresh_process_auto_and_pipeline(tmp_path, smollm2_path, smollm2):
+    _, tok = smollm2
+    prompt = "def fibonacci(n):"
+    model = RiverForCausalLM.from_pretrained(smollm2_path, tau=0.9, progress=False, dtype=torch.float32)
+    ids = tok(prompt, return_tensors="pt")
+    want = model.generate(**ids, **GEN)[0].tolist()
+    out = tmp_path / "smollm2-river"
+    model.save_pretrained(out, tokenizer=tok)
+
+    env = {**os.environ, "PYTHONPATH": SRC, "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
+    res = subprocess.run([sys.executable, "-c", CHILD, str(out), prompt], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads([line for line in res.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+    assert got["class"] == got["pipe_class"] == "RiverLlamaForCausalLM"
+    assert got["tau"] == 0.9
+    assert got["auto"] == want
+    assert got["pipeline"] == want
