@@ -32,6 +32,7 @@ def test_generate_json_with_compare(smollm2_path):
         (["generate", "hi", "--tau", "fast"], "--tau must be a number"),
         (["generate", "hi", "--model", "no-such-model"], "unknown model"),
         (["generate", "hi", "--max-new-tokens", "0"], "at least 1"),
+        (["generate", "hi", "--device", "xyz"], "--device must be"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
@@ -44,3 +45,10 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 def test_help_lists_generate():
     res = run_cli("--help", timeout=60)
     assert res.returncode == 0 and "generate" in res.stdout
+
+
+def test_convert_refuses_a_folder_that_is_not_river(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    res = run_cli("convert", "smollm2-135m", str(tmp_path), timeout=120)
+    assert res.returncode == 2 and "not a River folder" in res.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

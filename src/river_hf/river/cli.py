@@ -42,6 +42,13 @@ def _check_args(args) -> float | None:
         raise RiverError("the prompt is empty: pass the text to answer, e.g. river-hf generate \"What is 2+2?\"")
     if args.max_new_tokens < 1:
         raise RiverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.device is not None:
+        import torch
+
+        if args.device != "cpu" and not args.device.startswith("cuda"):
+            raise RiverError(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RiverError("--device cuda was asked for, but this torch build sees no CUDA GPU; use --device cpu")
     if args.tau is None:
         return None
     try:

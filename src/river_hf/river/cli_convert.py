@@ -44,6 +44,23 @@ def register(subparsers) -> None:
     p.set_defaults(func=handler)
 
 
+def _check_out_dir(out_dir: str) -> None:
+    """Refuse, before any loading, an output path that would mix River files with someone else's."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise RiverError(f"OUT_DIR {out_dir!r} is a file; pass a folder path")
+    if out.is_dir() and any(out.iterdir()):
+        try:
+            is_river = "river" in json.loads((out / "config.json").read_text())
+        except (OSError, ValueError):
+            is_river = False
+        if not is_river:
+            raise RiverError(f"OUT_DIR {out_dir!r} exists and is not a River folder; choose a new folder or empty it")
+
+
 def handler(args) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -60,6 +77,7 @@ def handler(args) -> int:
             raise RiverError(f"--tau must be a number (e.g. 0.95; above 1 never exits), got {args.tau!r}") from None
     if args.measure_tokens < 1:
         raise RiverError("--measure-tokens must be >= 1")
+    _check_out_dir(args.out_dir)
     path = resolve(args.model)
     model = RiverForCausalLM.from_pretrained(path, tau=tau, min_layer=args.min_layer, dtype=torch.float32)
     if args.offload_from is not None:
