@@ -123,7 +123,12 @@ def resolve(name_or_key: str, *, progress: bool = True) -> str:
         return str(_ensure_converted(REGISTRY[name_or_key], progress=progress))
     if os.path.isdir(name_or_key):
         return name_or_key
-    if "/" not in name_or_key or name_or_key.startswith((".", "/", "~")):
+    if name_or_key.startswith((".", "/", "~")):
+        raise RiverError(
+            f"model folder {name_or_key!r} does not exist; pass an existing folder, a model key "
+            f"({', '.join(REGISTRY)}) or a Hub id such as Qwen/Qwen2.5-Coder-0.5B-Instruct"
+        )
+    if "/" not in name_or_key:
         raise RiverError(
             f"unknown model {name_or_key!r}: use one of the keys {', '.join(REGISTRY)}, "
             "a Hub id such as Qwen/Qwen2.5-Coder-0.5B-Instruct, or an existing local folder"

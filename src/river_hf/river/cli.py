@@ -42,6 +42,8 @@ def _check_args(args) -> float | None:
         raise RiverError("the prompt is empty: pass the text to answer, e.g. river-hf generate \"What is 2+2?\"")
     if args.max_new_tokens < 1:
         raise RiverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.min_layer is not None and args.min_layer < 1:
+        raise RiverError(f"--min-layer must be at least 1 (one backbone layer always runs), got {args.min_layer}")
     if args.device is not None:
         import torch
 
