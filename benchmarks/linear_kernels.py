@@ -9,11 +9,8 @@ Shapes are those of the models river-hf ships keys for. Prints one line per shap
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
-from pathlib import Path
 
 SHAPES = [(896, 896), (896, 4864), (4864, 896), (576, 1536), (1536, 576), (1536, 8960), (640, 2048)]
 
@@ -64,12 +61,9 @@ def main() -> None:
         print(f"{fan_in}x{fan_out}: fp32 {row['fp32_us']:.0f} µs, bf16 {row['bf16_us']:.0f} µs, "
               f"int4 {row['int4_bf16_us']:.0f} µs ({row['int4_weight_type']}), rel. error {err:.3f}", flush=True)
     result = {"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out)
+    from river_hf.eval.common import write_json
 
+    write_json(args.out, result)
 
 if __name__ == "__main__":
     main()
