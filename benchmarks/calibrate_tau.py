@@ -29,7 +29,7 @@ def main() -> None:
     from river_hf import RiverForCausalLM, resolve
     from river_hf.eval.agreement import next_token_agreement, reference_continuation
     from river_hf.eval.common import humaneval_problems
-    from river_hf.river.cli import encode_prompt
+    from river_hf.models import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(resolve(args.model))
     model = RiverForCausalLM.from_pretrained(args.model, tau=2.0, dtype=torch.float32)

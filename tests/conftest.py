@@ -22,3 +22,19 @@ def smollm2(smollm2_path):
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, smollm2_path):
+    """A saved tiny random Llama (4 layers, hidden 128) with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from river_hf import RiverConfig, RiverError, RiverForCausalLM, enable_river
+from river_hf import RiverError, RiverForCausalLM
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 GEN = dict(max_new_tokens=12, do_sample=False)

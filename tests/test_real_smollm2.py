@@ -7,7 +7,7 @@ import torch
 
 from river_hf import enable_river
 from river_hf.eval.agreement import next_token_agreement
-from river_hf.river.cli import encode_prompt
+from river_hf.models import encode_prompt
 
 pytestmark = pytest.mark.real_model
 

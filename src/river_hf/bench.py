@@ -26,25 +26,15 @@ Writes a JSON report and a PNG: tokens/s against next-token match (and against t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from .errors import RiverError
+from .eval.common import positive_int
 
 __all__ = ["register", "handler", "run_bench", "plot_bench"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def register(subparsers) -> None:
@@ -56,9 +46,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="model key, Hub id or folder (default: %(default)s)")
     p.add_argument("--taus", action="append", metavar="TAUS",
                    help="comma list of τ (repeatable), e.g. 2,0.93,0.9,0.85; default: 2 and the model's τ")
-    p.add_argument("--new-tokens", type=_positive_int, default=64, help="new tokens per prompt (default: %(default)s)")
-    p.add_argument("--prompts", type=_positive_int, default=3, help="first N HumanEval prompts (default: %(default)s)")
-    p.add_argument("--repeats", type=_positive_int, default=3, help="timed repeats, alternating order (default: %(default)s)")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="new tokens per prompt (default: %(default)s)")
+    p.add_argument("--prompts", type=positive_int, default=3, help="first N HumanEval prompts (default: %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats, alternating order (default: %(default)s)")
     p.add_argument("--eval-json", action="append", default=[], metavar="FILE",
                    help="river-hf eval report(s) (gsm8k/humaneval) to plot tokens/s against accuracy")
     p.add_argument("--out", default=None, help="JSON report (default: bench_<model>.json); the PNG goes next to it")
@@ -217,7 +207,8 @@ def plot_bench(report: dict, png: str | Path, evals: list[tuple[str, dict]] = ()
 def handler(args) -> int:
     import torch
 
-    from .eval.common import encode_chat, humaneval_problems, load_river_model, log, parse_taus, versions, write_json
+    from .eval.common import humaneval_problems, load_river_model, log, parse_taus, versions, write_json
+    from .models import encode_prompt
     from .eval.tasks import humaneval_prompt
 
     taus = parse_taus(args.taus)
@@ -246,7 +237,7 @@ def handler(args) -> int:
     model, tokenizer, default_tau = load_river_model(args.model, progress=progress)
     if not taus:
         taus = [2.0, default_tau]
-    prompt_ids = [encode_chat(tokenizer, humaneval_prompt(p)).to(model.device) for p in humaneval_problems(args.prompts)]
+    prompt_ids = [encode_prompt(tokenizer, humaneval_prompt(p))["input_ids"].to(model.device) for p in humaneval_problems(args.prompts)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = run_bench(model, prompt_ids, taus, new_tokens=args.new_tokens, repeats=args.repeats, progress=progress,
                      pad_token_id=pad)

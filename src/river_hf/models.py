@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .errors import RiverError
 
-__all__ = ["ModelEntry", "REGISTRY", "cache_dir", "resolve", "load", "is_key"]
+__all__ = ["ModelEntry", "REGISTRY", "cache_dir", "resolve", "load", "is_key", "encode_prompt"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +154,24 @@ def load(name_or_key: str, *, dtype=None, progress: bool = True, **from_pretrain
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
     return model, tokenizer
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = True):
+    """Tokenize one user prompt the way an instruct model expects it.
+
+    With ``chat`` and a tokenizer that has a chat template, the prompt becomes one user message
+    with the generation prompt appended (``apply_chat_template``); otherwise it is tokenized as
+    plain text (base models).
+
+    Returns:
+        A ``BatchEncoding`` with ``input_ids`` and ``attention_mask``, int64 tensors of shape
+        ``[1, prompt_tokens]`` on the CPU (move with ``.to(device)``).
+    """
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    return tokenizer(prompt, return_tensors="pt")
 
 
 # --------------------------------------------------------------------------- fetching

@@ -59,6 +59,8 @@ class LayerAdapter:
         layer: the wrapped decoder layer.
         num_heads, num_kv_heads, head_dim: attention geometry.
         scaling: softmax scale (``head_dim ** -0.5`` for both layouts).
+        q_proj, k_proj, v_proj: the Q/K/V projections (``nn.Linear``).
+        ffn_modules: the FFN's Linear-holding modules (for the FLOPs count).
         k_module, v_module, attn_out_module, ffn_out_module: submodules whose outputs are the
             cached features (K before rotary, V, attention output, FFN output); forward hooks on
             them fill the cache on full-refresh steps, where the original layer runs unchanged.
@@ -69,6 +71,10 @@ class LayerAdapter:
     num_kv_heads: int
     head_dim: int
     scaling: float
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    ffn_modules: tuple[nn.Module, ...]
     k_module: nn.Module
     v_module: nn.Module
     attn_out_module: nn.Module
@@ -98,7 +104,11 @@ class LayerAdapter:
         raise NotImplementedError
 
     def v(self, xn: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self._heads(self.v_proj(xn))
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """``[..., heads * head_dim]`` -> ``[..., heads, head_dim]`` (a view)."""
+        return t.view(*t.shape[:-1], -1, self.head_dim)
 
     def rope(self, t: torch.Tensor, positions: torch.Tensor, rot) -> torch.Tensor:
         """Rotary embedding of ``t`` ``[B, n, heads, D]`` at absolute ``positions`` ``[B, n]`` (int64)."""
@@ -115,7 +125,13 @@ class LayerAdapter:
     # --- cost model ------------------------------------------------------------------------
     def flops_per_token(self) -> dict[str, int]:
         """FLOPs per token of each projection group: ``q``, ``k``, ``v``, ``o``, ``ffn``."""
-        raise NotImplementedError
+        return {
+            "q": _linear_flops(self.q_proj),
+            "k": _linear_flops(self.k_proj),
+            "v": _linear_flops(self.v_proj),
+            "o": _linear_flops(self.attn_out_module),
+            "ffn": _linear_flops(*self.ffn_modules),
+        }
 
     def attention_flops(self, n_queries: int, n_keys: int) -> int:
         """FLOPs of QK^T and AV for ``n_queries`` x ``n_keys`` (per sequence)."""
@@ -156,6 +172,8 @@ class HFDecoderLayerAdapter(LayerAdapter):
         self.scaling = float(getattr(attn, "scaling", self.head_dim**-0.5))  # older remote code (Dream) has none
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
+        self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
+        self.ffn_modules = (layer.mlp,)
         self.k_module = self.k_norm if self.k_norm is not None else attn.k_proj
         self.v_module = attn.v_proj
         self.attn_out_module = attn.o_proj
@@ -181,19 +199,13 @@ class HFDecoderLayerAdapter(LayerAdapter):
     def attn_norm(self, x):
         return self.layer.input_layernorm(x)
 
-    def _heads(self, t):
-        return t.view(*t.shape[:-1], -1, self.head_dim)
-
     def q(self, xn):
-        q = self._heads(self.attn.q_proj(xn))
+        q = self._heads(self.q_proj(xn))
         return self.q_norm(q) if self.q_norm is not None else q
 
     def k(self, xn):
-        k = self._heads(self.attn.k_proj(xn))
+        k = self._heads(self.k_proj(xn))
         return self.k_norm(k) if self.k_norm is not None else k
-
-    def v(self, xn):
-        return self._heads(self.attn.v_proj(xn))
 
     def rope(self, t, positions, rot):
         cos, sin = rot
@@ -212,15 +224,6 @@ class HFDecoderLayerAdapter(LayerAdapter):
     def ffn(self, h):
         return self.layer.mlp(self.layer.post_attention_layernorm(h))
 
-    def flops_per_token(self):
-        a = self.attn
-        return {
-            "q": _linear_flops(a.q_proj),
-            "k": _linear_flops(a.k_proj),
-            "v": _linear_flops(a.v_proj),
-            "o": _linear_flops(a.o_proj),
-            "ffn": _linear_flops(self.layer.mlp),
-        }
 
 
 class LLaDABlockAdapter(LayerAdapter):
@@ -248,6 +251,8 @@ class LLaDABlockAdapter(LayerAdapter):
         self.scaling = self.head_dim**-0.5
         self.q_norm = getattr(block, "q_norm", None)
         self.k_norm = getattr(block, "k_norm", None)
+        self.q_proj, self.k_proj, self.v_proj = block.q_proj, block.k_proj, block.v_proj
+        self.ffn_modules = (block.ff_proj, block.up_proj, block.ff_out)
         self.k_module = self.k_norm if self.k_norm is not None else block.k_proj
         self.v_module = block.v_proj
         self.attn_out_module = block.attn_out
@@ -268,19 +273,13 @@ class LLaDABlockAdapter(LayerAdapter):
     def attn_norm(self, x):
         return self.layer.attn_norm(x)
 
-    def _heads(self, t):
-        return t.view(*t.shape[:-1], -1, self.head_dim)
-
     def q(self, xn):
-        q = self.layer.q_proj(xn)
+        q = self.q_proj(xn)
         return self._heads(self.q_norm(q) if self.q_norm is not None else q)
 
     def k(self, xn):
-        k = self.layer.k_proj(xn)
+        k = self.k_proj(xn)
         return self._heads(self.k_norm(k) if self.k_norm is not None else k)
-
-    def v(self, xn):
-        return self._heads(self.layer.v_proj(xn))
 
     def rope(self, t, positions, rot):
         sin, cos = rot  # [T, D]
@@ -299,15 +298,6 @@ class LLaDABlockAdapter(LayerAdapter):
         hn = b.ff_norm(h)
         return b.ff_out(b.act(b.ff_proj(hn)) * b.up_proj(hn))
 
-    def flops_per_token(self):
-        b = self.layer
-        return {
-            "q": _linear_flops(b.q_proj),
-            "k": _linear_flops(b.k_proj),
-            "v": _linear_flops(b.v_proj),
-            "o": _linear_flops(b.attn_out),
-            "ffn": _linear_flops(b.ff_proj, b.up_proj, b.ff_out),
-        }
 
 
 ADAPTERS = (HFDecoderLayerAdapter, LLaDABlockAdapter)

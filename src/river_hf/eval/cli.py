@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from ..errors import RiverError
+from .common import positive_int
 
 #: Default new-token budget per task.
 MAX_NEW_TOKENS = {"gsm8k": 256, "humaneval": 384, "agreement": 64}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def register(subparsers) -> None:
@@ -38,9 +28,9 @@ def register(subparsers) -> None:
     p.add_argument("--tau", action="append", metavar="TAU",
                    help="τ to evaluate; repeat or give a comma list (e.g. --tau 2 --tau 0.95,0.9). "
                         "Default: the model's τ from configs/. τ > 1 = the unmodified model")
-    p.add_argument("--limit", type=_positive_int, default=None,
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="evaluate the first N items (default: all; agreement: 10 prompts)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=None,
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="new-token budget per item (default: gsm8k 256, humaneval 384, agreement 64)")
     p.add_argument("--data", default=None,
                    help="gsm8k only: JSON-lines file or Hub id (default: ../shared/data/gsm8k/test.jsonl, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -10,7 +11,18 @@ from pathlib import Path
 
 from ..errors import RiverError
 
-__all__ = ["parse_taus", "versions", "encode_chat", "load_river_model", "write_json", "humaneval_problems"]
+__all__ = ["positive_int", "parse_taus", "versions", "load_river_model", "write_json", "humaneval_problems"]
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for a count that must be >= 1 (raises ``argparse.ArgumentTypeError``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def parse_taus(values) -> list[float]:
@@ -55,17 +67,6 @@ def versions() -> dict:
     out["threads"] = torch.get_num_threads()
     out["cpu_count"] = os.cpu_count()
     return out
-
-
-def encode_chat(tokenizer, text: str):
-    """``[1, tokens]`` input ids for one user message: the chat template with the generation prompt
-    when the tokenizer has one (instruct models), the plain text otherwise (base models)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(text, return_tensors="pt")["input_ids"]
-    return ids
 
 
 def load_river_model(name_or_key: str, tau: float | None = None, progress: bool = True):

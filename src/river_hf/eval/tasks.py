@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +21,8 @@ import torch
 from ..errors import RiverError
 from . import metrics
 from .agreement import kv_cosine_similarity, next_token_agreement, reference_continuation
-from .common import encode_chat, humaneval_problems
+from ..models import encode_prompt
+from .common import humaneval_problems
 
 __all__ = [
     "GSM8K_DEFAULT_FILES",
@@ -125,7 +125,7 @@ def _generate(model, tokenizer, text: str, max_new_tokens: int, code_block_stop:
     """Greedy generation of one prompt; returns the reply text and River's stats for the call."""
     from transformers import StoppingCriteriaList
 
-    ids = encode_chat(tokenizer, text).to(model.device)
+    ids = encode_prompt(tokenizer, text)["input_ids"].to(model.device)
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
                   pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     if code_block_stop:
@@ -257,7 +257,7 @@ def run_agreement(model, tokenizer, taus, *, limit=10, max_new_tokens=64, progre
     prompt + reference continuation), averaged over prompts.
     """
     problems = humaneval_problems(limit or 10)
-    prompt_ids = [encode_chat(tokenizer, humaneval_prompt(p)) for p in problems]
+    prompt_ids = [encode_prompt(tokenizer, humaneval_prompt(p))["input_ids"] for p in problems]
     rows, refs = agreement_over_prompts(model, prompt_ids, taus, max_new_tokens=max_new_tokens, progress=progress)
     kv = [kv_cosine_similarity(model, torch.cat([ids.to(ref[0].device), ref[0][None]], dim=1))
           for ids, ref in zip(prompt_ids, refs)]

@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..errors import RiverError
+from ..models import encode_prompt
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
@@ -60,15 +61,6 @@ def _check_args(args) -> float | None:
     if tau != tau:
         raise RiverError("--tau must be a number, got nan")
     return tau
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool = True):
-    """``{"input_ids", "attention_mask"}`` tensors ``[1, tokens]`` for one prompt, with the chat template when the tokenizer has one."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-    return tokenizer(prompt, return_tensors="pt")
 
 
 def _timed_generate(model, inputs, gen_kwargs, streamer=None):

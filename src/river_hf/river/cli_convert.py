@@ -17,6 +17,7 @@ import shlex
 import time
 
 from ..errors import RiverError
+from ..models import encode_prompt
 
 #: Prompts of the ``--measure`` run (chat template applied when the tokenizer has one).
 MEASURE_PROMPTS = (
@@ -127,12 +128,7 @@ def measure(model, tokenizer, max_new_tokens: int) -> dict:
     totals = {"base_s": 0.0, "base_n": 0, "river_s": 0.0, "river_n": 0, "matches": 0, "positions": 0,
               "exit_sum": 0.0, "exit_steps": 0, "exited": 0}
     for prompt in tqdm(MEASURE_PROMPTS, desc="measuring", unit="prompt"):
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-        else:
-            text = prompt
-        ids = tokenizer(text, return_tensors="pt").to(model.device)
+        ids = encode_prompt(tokenizer, prompt).to(model.device)
         with model.river_mode("backbone"):
             t0 = time.perf_counter()
             out = model.generate(**ids, **gen)

@@ -18,6 +18,7 @@ import sys
 import time
 
 from ..errors import RiverError
+from ..models import encode_prompt
 
 GREEN, RESET = "\033[32m", "\033[0m"
 
@@ -37,15 +38,6 @@ def register(subparsers) -> None:
     p.add_argument("--compare", action="store_true", help="also run LLM-only and HF assisted generation")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=handler)
-
-
-def _build_input(tokenizer, prompt: str):
-    if getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        return enc["input_ids"]
-    return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
 def marked_text(tokenizer, token_ids: list[int], sources: list[int], colour: bool) -> str:
@@ -76,7 +68,7 @@ def handler(args: argparse.Namespace) -> int:
     slm, slm_tok = load(args.slm, progress=not args.json)
     llm, tok = load(args.llm, progress=not args.json)
     check_pair(slm, llm, slm_tok, tok)
-    ids = _build_input(tok, args.prompt)
+    ids = encode_prompt(tok, args.prompt)["input_ids"]
     plen = ids.shape[1]
     eos = tok.eos_token_id
 
