@@ -2,12 +2,14 @@
 
 Three methods, one subpackage each: River-LLM early exit (:mod:`river_hf.river`), R-Stitch
 small/large model stitching (:mod:`river_hf.stitch`) and dLLM-Cache for masked diffusion LMs
-(:mod:`river_hf.diffusion`).
+(:mod:`river_hf.diffusion`). Public names are imported on first use (torch loads then).
 """
 
+from ._lazy import lazy_exports
 from .errors import RiverError
 from .models import resolve
-from .river import RiverCache, RiverConfig, RiverForCausalLM, enable_river
 
 __version__ = "0.1.0"
+_EXPORTS = {name: ".river" for name in ("RiverCache", "RiverConfig", "RiverForCausalLM", "enable_river")}
 __all__ = ["RiverCache", "RiverConfig", "RiverForCausalLM", "RiverError", "enable_river", "resolve", "__version__"]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,15 +5,14 @@ runs the LLaDA-style denoising loop; ``cache=DLLMCacheConfig(prompt_interval, re
 ratio)`` serves the decoder layers through dLLM-Cache (Liu et al., 2025). See docs/diffusion.md.
 """
 
-from .cache import DLLMCacheConfig, FeatureCache, attach_cache, select_response_tokens
-from .generate import generate, num_transfer_tokens
-from .modeling import (
-    BidirectionalLlamaConfig,
-    BidirectionalLlamaForMaskedLM,
-    LLaDALayoutConfig,
-    LLaDALayoutForMaskedLM,
-    build_test_model,
-)
+from .._lazy import lazy_exports
+
+_EXPORTS = {
+    **{name: ".cache" for name in ("DLLMCacheConfig", "FeatureCache", "attach_cache", "select_response_tokens")},
+    **{name: ".denoising" for name in ("generate", "num_transfer_tokens")},
+    **{name: ".modeling" for name in ("BidirectionalLlamaConfig", "BidirectionalLlamaForMaskedLM", "LLaDALayoutConfig",
+                                      "LLaDALayoutForMaskedLM", "build_test_model")},
+}
 
 __all__ = [
     "BidirectionalLlamaConfig",
@@ -28,3 +27,4 @@ __all__ = [
     "num_transfer_tokens",
     "select_response_tokens",
 ]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -80,7 +80,7 @@ def handler(args) -> int:
     import torch
 
     from .cache import DLLMCacheConfig
-    from .generate import generate
+    from .denoising import generate
 
     model, tok = _load(args)
     mask_id = args.mask_id if args.mask_id is not None else getattr(model.config, "mask_token_id", None)

@@ -1,15 +1,22 @@
 """River-LLM: KV-shared seamless early exit through quantized exit layers."""
 
-from .cache import RiverCache
-from .controllers import (
-    ExitRule,
-    ExitRuleList,
-    MinLayerRule,
-    StateTransitionSimilarityRule,
-    state_transition_similarity,
-)
-from .layer import RiverLayer, RiverRouter
-from .modeling import SUPPORTED_MODEL_TYPES, RiverConfig, RiverForCausalLM, default_config, enable_river
+from .._lazy import lazy_exports
+
+_EXPORTS = {
+    "RiverCache": ".cache",
+    "ExitRule": ".controllers",
+    "ExitRuleList": ".controllers",
+    "MinLayerRule": ".controllers",
+    "StateTransitionSimilarityRule": ".controllers",
+    "state_transition_similarity": ".controllers",
+    "RiverLayer": ".layer",
+    "RiverRouter": ".layer",
+    "SUPPORTED_MODEL_TYPES": ".modeling",
+    "RiverConfig": ".modeling",
+    "RiverForCausalLM": ".modeling",
+    "default_config": ".modeling",
+    "enable_river": ".modeling",
+}
 
 __all__ = [
     "RiverCache",
@@ -26,3 +33,4 @@ __all__ = [
     "default_config",
     "SUPPORTED_MODEL_TYPES",
 ]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

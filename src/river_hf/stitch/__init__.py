@@ -8,10 +8,13 @@ assistant_model=slm, tau=...)`` runs the same function through transformers' ``c
 
 from pathlib import Path
 
-from .generation import LLM, SLM, StitchOutput, StitchStats, check_pair, generate, normalized_entropy, shared_vocab_size
-from .latency import LatencyEstimator
+from .._lazy import lazy_exports
 
-#: folder to pass as ``custom_generate=`` to ``model.generate`` (holds ``custom_generate/generate.py``).
+_EXPORTS = {
+    **{name: ".generation" for name in ("LLM", "SLM", "StitchOutput", "StitchStats", "check_pair", "generate",
+                                         "normalized_entropy", "shared_vocab_size")},
+    "LatencyEstimator": ".latency",
+}
 CUSTOM_GENERATE_DIR = str(Path(__file__).resolve().parent)
 
 __all__ = [
@@ -26,3 +29,4 @@ __all__ = [
     "LLM",
     "CUSTOM_GENERATE_DIR",
 ]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

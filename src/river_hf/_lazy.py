@@ -1,0 +1,34 @@
+"""Lazy package exports (PEP 562), so that ``river-hf --help`` and argument errors do not wait
+for torch and transformers to import (several seconds on a small CPU).
+
+A package lists ``{public name: submodule}``; the submodule is imported the first time the name
+is read (``from river_hf import RiverForCausalLM`` or ``river_hf.RiverForCausalLM``), and the
+value is then bound on the package so later reads are plain attribute lookups.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+
+def lazy_exports(package: str, exports: dict[str, str]):
+    """Return ``(__getattr__, __dir__)`` for ``package`` that import ``exports[name]`` (a relative
+    submodule such as ``".modeling"``) on first access of ``name``.
+
+    Raises (from the returned ``__getattr__``):
+        AttributeError: ``name`` is not exported by ``package``.
+    """
+
+    def __getattr__(name: str):
+        submodule = exports.get(name)
+        if submodule is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(submodule, package), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__():
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return __getattr__, __dir__
