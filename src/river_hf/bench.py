@@ -164,21 +164,31 @@ def _eval_scores(path: str) -> tuple[str, dict]:
 
 
 def plot_bench(report: dict, png: str | Path, evals: list[tuple[str, dict]] = ()) -> None:
-    """PNG of tokens/s against next-token match (one panel) and against each eval's score."""
+    """PNG of tokens/s against next-token match, against weight bytes read per decode step, and
+    against each eval's score (one panel each)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
-    panels = 1 + len(evals)
+    panels = 2 + len(evals)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2), squeeze=False)
     colors = {"backbone": "tab:gray", "exit": "tab:red", "route": "tab:blue"}
 
     def draw(ax, points, xlabel):
+        labels: dict[tuple, list[str]] = {}  # points that coincide on the plot share one label
         for x, y, label, mode in points:
             ax.scatter([x], [y], color=colors[mode], zorder=3)
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+            labels.setdefault((round(x, 6), round(y, 2)), []).append(label)
+        xs, ys = [k[0] for k in labels], [k[1] for k in labels]
+        dx, dy = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+        placed: list[tuple[float, float]] = []
+        for (x, y), names in sorted(labels.items()):
+            crowded = any(abs(x - px) < 0.12 * dx and abs(y - py) < 0.06 * dy for px, py in placed)
+            ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(5, -12 if crowded else 4),
+                        fontsize=8)
+            placed.append((x, y))
         route = sorted((x, y) for x, y, _, m in points if m == "route")
         if len(route) > 1:
             ax.plot(*zip(*route), color=colors["route"], alpha=0.4, zorder=2)
@@ -188,7 +198,9 @@ def plot_bench(report: dict, png: str | Path, evals: list[tuple[str, dict]] = ()
 
     draw(axes[0][0], [(100 * r["next_token_match"], r["tokens_per_s"], r["label"], r["mode"]) for r in rows],
          "next-token match vs unmodified (%)")
-    for ax, (name, scores) in zip(axes[0][1:], evals):
+    draw(axes[0][1], [(r["weight_bytes_per_token"] / 1e6, r["tokens_per_s"], r["label"], r["mode"]) for r in rows],
+         "weight MB read per decode step")
+    for ax, (name, scores) in zip(axes[0][2:], evals):
         pts = [(100 * scores[r["tau"]], r["tokens_per_s"], r["label"], r["mode"])
                for r in rows if r["tau"] is not None and r["tau"] in scores]
         draw(ax, pts, f"{name} (%)")
