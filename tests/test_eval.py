@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,6 +129,26 @@ def test_humaneval_refusal_through_subprocess(tmp_path):
 def test_bad_tau_is_one_error(capsys):
     assert main(["eval", "--task", "agreement", "--tau", "fast"]) == 2
     assert "tau must be a number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make_out, message", [
+    (lambda d: d, "is a folder"),
+    (lambda d: d / "report.txt", "must name a .json file"),
+    (lambda d: Path("/proc/river-hf-test/report.json"), "cannot write"),
+])
+def test_unwritable_out_is_refused_before_running(capsys, tmp_path, make_out, message):
+    out = make_out(tmp_path)
+    for argv in (["eval", "--task", "agreement"], ["bench"]):
+        assert main(argv + ["--model", "no-such-model-key", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1  # before the model is even resolved
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_timeout_must_be_positive_and_finite(capsys):
+    for bad in ("0", "-1", "nan", "inf"):
+        assert main(["eval", "--task", "humaneval", "--allow-code-execution", "--timeout", bad]) == 2
+        assert "--timeout" in capsys.readouterr().err
 
 
 def test_gsm8k_json_schema_on_tiny_model(tiny_folder, gsm8k_file, tmp_path):

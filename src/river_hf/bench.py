@@ -219,7 +219,7 @@ def plot_bench(report: dict, png: str | Path, evals: list[tuple[str, dict]] = ()
 def handler(args) -> int:
     import torch
 
-    from .eval.common import humaneval_problems, load_river_model, log, parse_taus, versions, write_json
+    from .eval.common import check_output_path, humaneval_problems, load_river_model, log, parse_taus, versions, write_json
     from .models import encode_prompt
     from .eval.tasks import humaneval_prompt
 
@@ -227,9 +227,7 @@ def handler(args) -> int:
     if args.new_tokens < 2:
         raise RiverError("--new-tokens must be at least 2 (one prefill token plus decode steps to time)")
     evals = _merge_evals([_eval_scores(p) for p in args.eval_json])
-    out = Path(args.out or f"bench_{args.model.replace('/', '_')}.json")
-    if out.suffix != ".json":
-        raise RiverError(f"--out must name a .json file, got {str(out)!r}")
+    out = check_output_path(args.out or f"bench_{args.model.replace('/', '_')}.json")
     if args.plot_only:
         import json
 

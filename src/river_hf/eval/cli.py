@@ -44,7 +44,7 @@ def register(subparsers) -> None:
 
 
 def handler(args) -> int:
-    from .common import load_river_model, log, parse_taus, versions, write_json
+    from .common import check_output_path, load_river_model, log, parse_taus, versions, write_json
 
     taus = parse_taus(args.tau)
     if args.task == "humaneval" and not args.allow_code_execution:
@@ -52,9 +52,9 @@ def handler(args) -> int:
             "HumanEval scoring executes model-written code; rerun with --allow-code-execution "
             "only on a machine where running untrusted code is acceptable"
         )
-    if args.timeout <= 0:
+    if not args.timeout > 0 or args.timeout == float("inf"):  # also refuses nan
         raise RiverError(f"--timeout must be positive seconds, got {args.timeout}")
-    out = args.out or f"eval_{args.task}_{args.model.replace('/', '_')}.json"
+    out = check_output_path(args.out or f"eval_{args.task}_{args.model.replace('/', '_')}.json")
     max_new = args.max_new_tokens or MAX_NEW_TOKENS[args.task]
     progress = not args.no_progress
 

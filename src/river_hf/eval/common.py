@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import RiverError
 
-__all__ = ["positive_int", "parse_taus", "versions", "load_river_model", "write_json", "humaneval_problems"]
+__all__ = ["positive_int", "parse_taus", "check_output_path", "versions", "load_river_model", "write_json", "humaneval_problems"]
 
 
 def positive_int(text: str) -> int:
@@ -91,6 +91,36 @@ def load_river_model(name_or_key: str, tau: float | None = None, progress: bool 
         default_tau = default_config(name_or_key, getattr(model.config, "model_type", None)).tau
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer, default_tau
+
+
+def check_output_path(path: str | os.PathLike, flag: str = "--out", suffix: str = ".json") -> Path:
+    """Check, before any model runs, that a report can be written at ``path``: it ends with
+    ``suffix``, is not a folder, and its folder (or the nearest existing ancestor, for folders that
+    will be created) accepts a new file (tried with a temporary file, removed at once).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        RiverError: naming ``flag`` and what to change.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise RiverError(f"{flag} {str(path)!r} is a folder; give a file path such as {str(path / ('report' + suffix))!r}")
+    if path.suffix != suffix:
+        raise RiverError(f"{flag} must name a {suffix} file, got {str(path)!r}")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise RiverError(f"{flag} {str(path)!r}: {str(folder)!r} is a file, not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".river-hf-write-check-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise RiverError(f"{flag} {str(path)!r}: cannot write in {str(folder)!r} ({e.strerror}); choose another path") from None
+    return path
 
 
 def write_json(path: str | os.PathLike, obj) -> None:
