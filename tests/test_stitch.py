@@ -217,6 +217,8 @@ def test_bad_inputs_raise_river_error():
         generate(slm, llm, torch.ones(1, 0, dtype=torch.long), tau=0.1, max_new_tokens=2)
     with pytest.raises(RiverError, match="beam"):
         generate(slm, llm, _prompt(), tau=0.1, max_new_tokens=2, num_beams=2)
+    with pytest.raises(RiverError, match="NaN"):
+        generate(slm, llm, _prompt(), tau=float("nan"), max_new_tokens=2)
     with pytest.raises(RiverError, match="does not take output_router_logits"):
         generate(slm, llm, _prompt(), tau=0.1, max_new_tokens=2, output_router_logits=True)
 

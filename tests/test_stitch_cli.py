@@ -84,6 +84,8 @@ def test_cli_errors_exit_2(tiny_dirs, capsys):
     assert "--max-new-tokens" in capsys.readouterr().err
     assert main(["stitch", "w1", "--slm", "no-such-model", "--llm", tiny_dirs["llm"]]) == 2
     assert "unknown model" in capsys.readouterr().err
+    assert main(["stitch", "w1", "--slm", "no-such-model", "--llm", "no-such-model", "--tau", "nan"]) == 2
+    assert "--tau" in capsys.readouterr().err  # refused before any model is resolved
 
 
 def test_cli_subprocess(tiny_dirs):

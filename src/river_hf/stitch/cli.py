@@ -60,6 +60,8 @@ def handler(args: argparse.Namespace) -> int:
         raise RiverError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise RiverError("the prompt is empty: pass the question as the first argument")
+    if args.tau != args.tau:
+        raise RiverError("--tau must be a number such as 0.02 (< 0 = LLM only, >= 1 = SLM only), got nan")
     import torch
 
     from ..models import load

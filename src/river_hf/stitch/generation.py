@@ -259,7 +259,7 @@ def generate(
         :class:`StitchStats` is also left in ``llm.stitch_stats``.
 
     Raises:
-        RiverError: batch size > 1, an empty prompt, a negative budget, beam search, an argument that
+        RiverError: batch size > 1, an empty prompt, τ = NaN, a negative budget, beam search, an argument that
             is neither listed here nor a ``GenerationConfig`` field, or a pair that does not share a
             tokenizer.
     """
@@ -271,6 +271,8 @@ def generate(
         )
     if input_ids.shape[1] == 0:
         raise RiverError("the prompt is empty: pass at least one token")
+    if tau != tau:
+        raise RiverError("tau must be a number (e.g. 0.02; < 0 = LLM only, >= 1 = SLM only), got NaN")
     check_pair(slm, llm, assistant_tokenizer, tokenizer)
     V = int(vocab_size) if vocab_size is not None else shared_vocab_size(slm, llm, tokenizer)
 
