@@ -52,3 +52,18 @@ def test_convert_refuses_a_folder_that_is_not_river(tmp_path):
     res = run_cli("convert", "smollm2-135m", str(tmp_path), timeout=120)
     assert res.returncode == 2 and "not a River folder" in res.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_package_imports_lazily_and_exposes_subpackages():
+    """`import river_hf` (what every CLI call does first) must not import torch; public names and
+    the method subpackages load on first access."""
+    code = (
+        "import sys, river_hf\n"
+        "assert 'torch' not in sys.modules, 'import river_hf pulled in torch'\n"
+        "assert callable(river_hf.stitch.generate) and callable(river_hf.diffusion.generate)\n"
+        "assert river_hf.RiverForCausalLM.__name__ == 'RiverForCausalLM'\n"
+        "assert {'stitch', 'diffusion', 'RiverConfig'} <= set(dir(river_hf))\n"
+        "try:\n    river_hf.no_such_name\nexcept AttributeError:\n    print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

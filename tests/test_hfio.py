@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -155,3 +156,44 @@ def test_smollm2_save_then_fresh_process_auto_and_pipeline(tmp_path, smollm2_pat
     assert got["tau"] == 0.9
     assert got["auto"] == want
     assert got["pipeline"] == want
+
+
+def test_save_into_existing_folder_keeps_what_is_not_ours(tmp_path):
+    """Saving over a folder replaces River's files and stale base-weight shards only: .git,
+    subfolders, adapters and notes stay; new files get ordinary umask modes (not mkdtemp's 0700)."""
+    from river_hf.river.serialization import _replace_dir
+
+    out = tmp_path / "model"
+    (out / ".git").mkdir(parents=True)
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / "subdir").mkdir()
+    (out / "subdir" / "notes.txt").write_text("keep me")
+    (out / "adapter_model.safetensors").write_text("adapter")
+    (out / "model-00001-of-00002.safetensors").write_text("old shard")
+    (out / "config.json").write_text("{}")
+    new = Path(tempfile.mkdtemp(dir=tmp_path))
+    (new / "model.safetensors").write_text("new weights")
+    (new / "config.json").write_text('{"river": {}}')
+    umask = os.umask(0o022)
+    try:
+        _replace_dir(new, out)
+    finally:
+        os.umask(umask)
+    assert (out / ".git" / "HEAD").read_text().startswith("ref:")
+    assert (out / "subdir" / "notes.txt").read_text() == "keep me"
+    assert (out / "adapter_model.safetensors").exists()
+    assert not (out / "model-00001-of-00002.safetensors").exists()
+    assert (out / "model.safetensors").read_text() == "new weights"
+    assert json.loads((out / "config.json").read_text()) == {"river": {}}
+    assert not new.exists()
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+    fresh = tmp_path / "fresh"
+    new = Path(tempfile.mkdtemp(dir=tmp_path))
+    (new / "config.json").write_text("{}")
+    umask = os.umask(0o022)
+    try:
+        _replace_dir(new, fresh)
+    finally:
+        os.umask(umask)
+    assert fresh.stat().st_mode & 0o777 == 0o755

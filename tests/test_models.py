@@ -13,7 +13,16 @@ from river_hf import RiverError, models
 
 def test_pass_through_hub_id_and_folder(tmp_path):
     assert models.resolve("Qwen/Qwen2.5-Coder-0.5B-Instruct") == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    (tmp_path / "config.json").write_text("{}")
     assert models.resolve(str(tmp_path)) == str(tmp_path)
+
+
+def test_folder_without_config_and_file_are_refused(tmp_path):
+    with pytest.raises(RiverError, match="no config.json"):
+        models.resolve(str(tmp_path))
+    (tmp_path / "model.gguf").write_text("x")
+    with pytest.raises(RiverError, match="is a file"):
+        models.resolve(str(tmp_path / "model.gguf"))
 
 
 @pytest.mark.parametrize("bad", ["", "  ", "smollm3-135m", "./no/such/folder"])

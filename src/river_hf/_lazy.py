@@ -14,7 +14,8 @@ import sys
 
 def lazy_exports(package: str, exports: dict[str, str]):
     """Return ``(__getattr__, __dir__)`` for ``package`` that import ``exports[name]`` (a relative
-    submodule such as ``".modeling"``) on first access of ``name``.
+    submodule such as ``".modeling"``) on first access of ``name``; ``{"stitch": ".stitch"}``
+    exports the subpackage itself. ``dir(package)`` lists ``__all__`` and the exports.
 
     Raises (from the returned ``__getattr__``):
         AttributeError: ``name`` is not exported by ``package``.
@@ -24,11 +25,13 @@ def lazy_exports(package: str, exports: dict[str, str]):
         submodule = exports.get(name)
         if submodule is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(submodule, package), name)
+        module = importlib.import_module(submodule, package)
+        value = module if submodule == "." + name else getattr(module, name)  # a subpackage itself
         setattr(sys.modules[package], name, value)
         return value
 
     def __dir__():
-        return sorted(set(vars(sys.modules[package])) | set(exports))
+        public = getattr(sys.modules[package], "__all__", [])
+        return sorted(set(public) | set(exports))
 
     return __getattr__, __dir__

@@ -114,15 +114,22 @@ def resolve(name_or_key: str, *, progress: bool = True) -> str:
         A local folder path for keys and folders; a Hub id unchanged.
 
     Raises:
-        RiverError: an unknown key (no ``/``, not a folder), a failed download, or a sha256
-            mismatch of the assembled GGUF.
+        RiverError: an unknown key (no ``/``, not a folder), a folder without ``config.json``, a
+            file, a failed download, or a sha256 mismatch of the assembled GGUF.
     """
     if not isinstance(name_or_key, str) or not name_or_key.strip():
         raise RiverError("model name is empty: pass a model key, a Hub id (org/name) or a local folder")
     if name_or_key in REGISTRY:
         return str(_ensure_converted(REGISTRY[name_or_key], progress=progress))
     if os.path.isdir(name_or_key):
+        if not os.path.isfile(os.path.join(name_or_key, "config.json")):
+            raise RiverError(
+                f"folder {name_or_key!r} holds no config.json, so it is not a transformers model folder; "
+                "pass a folder written by save_pretrained (or river-hf convert), a model key or a Hub id"
+            )
         return name_or_key
+    if os.path.isfile(name_or_key):
+        raise RiverError(f"{name_or_key!r} is a file; pass a model folder (with config.json), a model key or a Hub id")
     if name_or_key.startswith((".", "/", "~")):
         raise RiverError(
             f"model folder {name_or_key!r} does not exist; pass an existing folder, a model key "

@@ -60,6 +60,17 @@ def _check_out_dir(out_dir: str) -> None:
             is_river = False
         if not is_river:
             raise RiverError(f"OUT_DIR {out_dir!r} exists and is not a River folder; choose a new folder or empty it")
+    import os
+    import tempfile
+
+    place = out.absolute().parent  # the save writes a temporary folder here, then renames it
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    try:
+        tmp = tempfile.mkdtemp(prefix=".river-hf-write-check-", dir=place)
+        os.rmdir(tmp)
+    except OSError as e:
+        raise RiverError(f"OUT_DIR {out_dir!r}: cannot write in {str(place)!r} ({e.strerror}); choose another folder") from None
 
 
 def handler(args) -> int:
@@ -79,6 +90,11 @@ def handler(args) -> int:
     if args.measure_tokens < 1:
         raise RiverError("--measure-tokens must be >= 1")
     _check_out_dir(args.out_dir)
+    from .modeling import RiverConfig
+
+    # settings checked before loading (one error, not after minutes of loading and quantizing)
+    RiverConfig(tau=2.0 if tau is None else tau, offload_from=args.offload_from,
+                **({} if args.min_layer is None else {"min_layer": args.min_layer}))
     path = resolve(args.model)
     model = RiverForCausalLM.from_pretrained(path, tau=tau, min_layer=args.min_layer, dtype=torch.float32)
     if args.offload_from is not None:

@@ -17,8 +17,12 @@ exit layers, same tokens), takes seconds (River-LLM builds them without training
 folder a plain checkpoint of the base model (no second, quantized copy of every layer on disk and
 no dependency on optimum-quanto's serialization format), and lets a user change the backend.
 
-Every save is written to a temporary folder next to the target and renamed into place
-(``os.replace``), so an interrupted save never leaves a folder that loads as if whole.
+Every save is written to a temporary folder next to the target first. A new target is that
+folder renamed into place (``os.replace``), so an interrupted save never leaves a folder that
+loads as if whole. Into an existing folder the new files are moved one by one (each an atomic
+rename, weights first and ``config.json`` last) and, as transformers' own ``save_pretrained``
+does, base-weight files of an earlier save that this save does not rewrite are removed; nothing
+else in the folder (subfolders such as ``.git``, other files) is touched.
 """
 
 from __future__ import annotations
@@ -46,8 +50,6 @@ __all__ = [
 
 MODELING_FILE = "modeling_river.py"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-#: Files a save writes itself; other files already in the target folder (tokenizer, ...) are kept.
-_OWN_FILES = ("config.json", "generation_config.json", MODELING_FILE, "README.md")
 
 _MODELING_TEMPLATE = '''"""River-LLM early exit for {arch} (written by river-hf).
 
@@ -262,8 +264,9 @@ def save_river(model, save_directory, *, card: str | None = None, tokenizer=None
 
     Args:
         model: a model returned by ``enable_river`` / ``RiverForCausalLM.from_pretrained``.
-        save_directory: target folder; files in it that this save does not write (a tokenizer
-            saved there earlier) are kept, weight files are replaced.
+        save_directory: target folder; an existing one keeps every file and subfolder this save
+            does not write (a tokenizer saved there earlier, ``.git``), except base-weight files
+            of an earlier save, which are replaced.
         card: README.md text; default :func:`model_card` without measurements.
         tokenizer: saved into the same folder (inside the same atomic rename) when given.
         **save_kwargs: passed to the base ``save_pretrained`` (``max_shard_size``, ...).
@@ -293,21 +296,47 @@ def save_river(model, save_directory, *, card: str | None = None, tokenizer=None
     return out
 
 
+def _is_base_weight_file(name: str) -> bool:
+    """``model*.safetensors`` / ``pytorch_model*.bin`` shards and their index files: what a
+    transformers save writes for the base weights (adapter or other files do not match)."""
+    return (name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json"))) or (
+        name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json"))
+    )
+
+
 def _replace_dir(new: Path, out: Path) -> None:
-    """Put folder ``new`` at ``out`` with renames only, keeping ``out``'s non-weight, non-config files."""
-    if out.is_dir():
-        for f in out.iterdir():
-            weights = f.name.endswith((".safetensors", ".bin")) or f.name in WEIGHT_FILES
-            if f.is_file() and not weights and f.name not in _OWN_FILES and not (new / f.name).exists():
-                shutil.copy2(f, new / f.name)
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / "x")
+    """Put the files of folder ``new`` at ``out`` (see the module docstring); ``new`` is consumed.
+
+    Raises:
+        RiverError: ``out`` exists and is not a folder.
+    """
+    if not out.exists():
+        _share_like_umask(new)
         os.replace(new, out)
-        shutil.rmtree(old, ignore_errors=True)
-    elif out.exists():
+        return
+    if not out.is_dir():
         raise RiverError(f"{out} exists and is not a folder; choose another output path")
-    else:
-        os.replace(new, out)
+    _share_like_umask(new)
+    written = sorted(new.iterdir(), key=lambda f: (f.name == "config.json", not _is_base_weight_file(f.name)))
+    names = {f.name for f in written}
+    for f in out.iterdir():
+        if f.is_file() and _is_base_weight_file(f.name) and f.name not in names:
+            f.unlink()
+    for f in written:
+        os.replace(f, out / f.name)
+    new.rmdir()
+
+
+def _share_like_umask(folder: Path) -> None:
+    """Give ``folder`` (made by ``tempfile.mkdtemp``, mode 0700) and its files the modes of an
+    ordinary ``mkdir`` / ``open`` under the current umask, so a saved model is as readable as any
+    other file the user writes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
 
 
 _RIVER_KWARGS = ("tau", "min_layer", "backend", "offload_from", "offload_dir")
