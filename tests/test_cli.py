@@ -33,6 +33,8 @@ def test_generate_json_with_compare(smollm2_path):
         (["generate", "hi", "--model", "no-such-model"], "unknown model"),
         (["generate", "hi", "--max-new-tokens", "0"], "at least 1"),
         (["generate", "hi", "--device", "xyz"], "--device must be"),
+        (["generate", "hi", "--model", "smollm2-135m", "--backend", "foo"], "unknown quantization backend"),
+        (["generate", "hi", "--model", "smollm2-135m", "--max-new-tokens", "100000000"], "does not fit"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):

@@ -40,6 +40,10 @@ def test_diffuse_text_output_and_folder(tmp_path, capsys):
         (["--prompt-ids", "999999"], "within"),
         (["--prompt", "hello"], "needs a tokenizer"),
         (["--ratio", "2"], "ratio"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--mask-id", "-3"], "--mask-id"),
+        (["--mask-id", "99999999"], "outside this model's vocabulary"),
+        (["--kr", "0"], "--kr"),
     ],
 )
 def test_diffuse_bad_input(argv, message, capsys):

@@ -76,7 +76,22 @@ def _load(args):
     return model, tok
 
 
+def _check_args(args) -> None:
+    """Argument checks that need no model (one error before torch is even imported)."""
+    for flag, value in (("--steps", args.steps), ("--gen-length", args.gen_length), ("--block-length", args.block_length),
+                        ("--prompt-length", args.prompt_length), ("--kp", args.kp), ("--kr", args.kr)):
+        if value < 1:
+            raise RiverError(f"{flag} must be >= 1, got {value}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise RiverError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.ratio <= 1:
+        raise RiverError(f"--ratio (V-verify ratio rho) must be in [0, 1], got {args.ratio}")
+    if args.mask_id is not None and args.mask_id < 0:
+        raise RiverError(f"--mask-id must be a token id >= 0, got {args.mask_id}")
+
+
 def handler(args) -> int:
+    _check_args(args)
     import torch
 
     from .cache import DLLMCacheConfig
@@ -87,6 +102,9 @@ def handler(args) -> int:
     if mask_id is None:
         raise RiverError("the model config has no mask_token_id; pass --mask-id (LLaDA 126336, Dream 151666)")
     vocab = model.config.vocab_size
+    if not 0 <= mask_id < vocab:
+        raise RiverError(f"--mask-id {mask_id} is outside this model's vocabulary (0..{vocab - 1}); "
+                         "use the model's [MASK] id (LLaDA 126336, Dream 151666)")
     if args.prompt is not None:
         if tok is None:
             raise RiverError("--prompt needs a tokenizer in the model folder; use --prompt-ids instead")
@@ -102,7 +120,8 @@ def handler(args) -> int:
         if args.prompt_length < 1:
             raise RiverError("--prompt-length must be >= 1")
         g = torch.Generator().manual_seed(args.seed)
-        ids = torch.randint(0, min(mask_id, vocab), (1, args.prompt_length), generator=g)
+        ids = torch.randint(0, vocab - 1, (1, args.prompt_length), generator=g)
+        ids = ids + (ids >= mask_id).long()  # random prompt tokens, never the [MASK] id
 
     kw = dict(steps=args.steps, gen_length=args.gen_length, block_length=args.block_length,
               temperature=args.temperature, remasking=args.remasking, mask_id=mask_id,

@@ -75,8 +75,8 @@ def _check(input_ids, attention_mask, steps, gen_length, block_length, temperatu
         raise RiverError(f"steps ({steps}) must be a multiple of the number of blocks ({blocks} = gen_length / block_length)")
     if steps // blocks > block_length:
         raise RiverError(f"{steps // blocks} steps per block but only {block_length} tokens per block; use fewer steps")
-    if temperature < 0:
-        raise RiverError(f"temperature must be >= 0, got {temperature}")
+    if not temperature >= 0 or temperature == float("inf"):  # also refuses NaN
+        raise RiverError(f"temperature must be a finite number >= 0, got {temperature}")
     if remasking not in ("low_confidence", "random"):
         raise RiverError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
     if cache is not None and not isinstance(cache, DLLMCacheConfig):

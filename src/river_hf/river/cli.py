@@ -77,16 +77,23 @@ def _timed_generate(model, inputs, gen_kwargs, streamer=None):
 def run_generate(args) -> int:
     tau = _check_args(args)
     import torch
-    from transformers import AutoTokenizer, TextStreamer
+    from transformers import AutoConfig, AutoTokenizer, TextStreamer
 
     from ..models import resolve
-    from ..quant import fast_kernel_fraction
+    from ..quant import fast_kernel_fraction, get_backend
     from .modeling import RiverForCausalLM
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     path = resolve(args.model)
+    if args.backend is not None:
+        get_backend(args.backend)  # an unknown backend is refused before the model loads
     tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt_tokens = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template)["input_ids"].shape[1]
+    context = getattr(AutoConfig.from_pretrained(path).get_text_config(decoder=True), "max_position_embeddings", None)
+    if context and prompt_tokens + args.max_new_tokens > context:
+        raise RiverError(f"--max-new-tokens {args.max_new_tokens} does not fit: the prompt has {prompt_tokens} tokens and "
+                         f"this model's context is {context}; use at most {max(context - prompt_tokens, 0)}")
     model = RiverForCausalLM.from_pretrained(
         args.model, tau=tau, min_layer=args.min_layer, backend=args.backend, dtype=dtype, device_map=device,
         progress=not args.json,
