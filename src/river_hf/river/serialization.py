@@ -53,7 +53,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 _MODELING_TEMPLATE = '''"""River-LLM early exit for {arch} (written by river-hf).
 
-Needs ``pip install river-hf``. The weights in this folder are the base model's own; River's
+Needs river-hf installed (``pip install river-hf`` or ``pip install -e .`` in its repository). The weights in this folder are the base model's own; River's
 quantized exit layers are rebuilt from them at load, with the settings in config.json "river".
 """
 
@@ -186,7 +186,7 @@ def model_card(model, *, base_model: str | None = None, measurement: dict | None
         "The base model's own weights, plus River-LLM settings: decoding leaves the backbone layers "
         "once the state transition similarity (cosine of a layer's input and output hidden state) "
         "exceeds τ, and runs the remaining layers as 4-bit exit copies that share the KV cache.",
-        "Exit layers are rebuilt from these weights at load (seconds). Needs `pip install river-hf`.",
+        "Exit layers are rebuilt from these weights at load (seconds). Needs river-hf installed in the same environment (`pip install river-hf`, or `pip install -e .` in its repository).",
         "",
         "| setting | value |",
         "|---|---|",
