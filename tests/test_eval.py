@@ -107,6 +107,8 @@ def test_load_gsm8k_local_file_and_missing_file(gsm8k_file, tmp_path):
     assert len(ds) == 1 and ds[0]["answer"].endswith("#### 7") and source.endswith("test.jsonl")
     with pytest.raises(RiverError, match="--data"):
         load_gsm8k(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(RiverError, match="is a folder"):
+        load_gsm8k(str(tmp_path))
 
 
 def test_humaneval_refuses_without_flag(capsys, tmp_path):

@@ -63,6 +63,8 @@ def load_gsm8k(data: str | None = None, limit: int | None = None):
     if os.path.isfile(data):
         ds = datasets.load_dataset("json", data_files=str(data), split="train")
         source = str(Path(data).resolve())
+    elif os.path.isdir(data):
+        raise RiverError(f"--data {data!r} is a folder; pass the JSON-lines file itself, e.g. {data.rstrip('/')}/test.jsonl")
     elif data.endswith((".json", ".jsonl")) or data.startswith((".", "/", "~")):
         raise RiverError(f"GSM8K file {data!r} not found; pass --data PATH/test.jsonl (GSM8K's test split)")
     else:
