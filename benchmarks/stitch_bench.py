@@ -142,10 +142,14 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
             f"| {m} | {s['problems']} | {p} | {s['mean_latency_s']:.1f} | {sp} | {s['slm_token_fraction']:.0%} | "
             f"{s['mean_new_tokens']:.0f} | {s['tokens_per_s']:.2f} | {pred} |"
         )
+    loads = [r["loadavg_1min"] for r in records if "loadavg_1min" in r]
+    machine = (f"Machine: {os.cpu_count()} CPU cores; 1-minute load average after each problem "
+               f"{min(loads):.1f}-{max(loads):.1f} (this run alone keeps it near its torch thread count, {args.threads})"
+               if loads else "Machine: load average not recorded")
     lines += [
         "",
-        "Machine: shared 2-core CPU; other jobs ran at the same time, so absolute latencies are noisy;",
-        "ratios come from running every method on the same problem back to back.",
+        machine + ".",
+        "Ratios come from running every method on the same problem back to back.",
     ]
     _atomic_write(base + ".md", "\n".join(lines) + "\n")
     if summary:
@@ -305,6 +309,7 @@ def main(argv=None) -> int:
             pred = info.get("predicted_seconds")
             print(f"{prob['task_id']} {m}: {seconds:.1f}s (predicted {pred if pred is None else round(pred, 1)}) "
                   f"{len(new)} tok passed={info.get('passed')}", flush=True)
+        rec["loadavg_1min"] = os.getloadavg()[0]
         records.append(rec)
         summary = write_outputs(args, records, methods, est_path, started, finished=False)
     summary = write_outputs(args, records, methods, est_path, started, finished=True)
