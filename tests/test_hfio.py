@@ -158,11 +158,19 @@ def test_smollm2_save_then_fresh_process_auto_and_pipeline(tmp_path, smollm2_pat
     assert got["pipeline"] == want
 
 
+def _replace_dir_with_umask_022(new, out):
+    from river_hf.river.serialization import _replace_dir
+
+    umask = os.umask(0o022)
+    try:
+        _replace_dir(new, out)
+    finally:
+        os.umask(umask)
+
+
 def test_save_into_existing_folder_keeps_what_is_not_ours(tmp_path):
     """Saving over a folder replaces River's files and stale base-weight shards only: .git,
     subfolders, adapters and notes stay; new files get ordinary umask modes (not mkdtemp's 0700)."""
-    from river_hf.river.serialization import _replace_dir
-
     out = tmp_path / "model"
     (out / ".git").mkdir(parents=True)
     (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
@@ -174,11 +182,7 @@ def test_save_into_existing_folder_keeps_what_is_not_ours(tmp_path):
     new = Path(tempfile.mkdtemp(dir=tmp_path))
     (new / "model.safetensors").write_text("new weights")
     (new / "config.json").write_text('{"river": {}}')
-    umask = os.umask(0o022)
-    try:
-        _replace_dir(new, out)
-    finally:
-        os.umask(umask)
+    _replace_dir_with_umask_022(new, out)
     assert (out / ".git" / "HEAD").read_text().startswith("ref:")
     assert (out / "subdir" / "notes.txt").read_text() == "keep me"
     assert (out / "adapter_model.safetensors").exists()
@@ -191,9 +195,5 @@ def test_save_into_existing_folder_keeps_what_is_not_ours(tmp_path):
     fresh = tmp_path / "fresh"
     new = Path(tempfile.mkdtemp(dir=tmp_path))
     (new / "config.json").write_text("{}")
-    umask = os.umask(0o022)
-    try:
-        _replace_dir(new, fresh)
-    finally:
-        os.umask(umask)
+    _replace_dir_with_umask_022(new, fresh)
     assert fresh.stat().st_mode & 0o777 == 0o755
