@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import RiverError
 
-__all__ = ["positive_int", "parse_taus", "check_output_path", "versions", "load_river_model", "write_json", "humaneval_problems"]
+__all__ = ["positive_int", "parse_taus", "check_output_path", "check_writable_place", "versions", "load_river_model", "write_json", "humaneval_problems"]
 
 
 def positive_int(text: str) -> int:
@@ -109,7 +109,19 @@ def check_output_path(path: str | os.PathLike, flag: str = "--out", suffix: str 
         raise RiverError(f"{flag} {str(path)!r} is a folder; give a file path such as {str(path / ('report' + suffix))!r}")
     if path.suffix != suffix:
         raise RiverError(f"{flag} must name a {suffix} file, got {str(path)!r}")
-    folder = path.parent
+    check_writable_place(path, flag)
+    return path
+
+
+def check_writable_place(path: str | os.PathLike, flag: str) -> None:
+    """Check that a file or folder can be created at ``path``: its folder, or the nearest existing
+    ancestor (missing folders are created on write), accepts a new entry (tried with a temporary
+    file, removed at once).
+
+    Raises:
+        RiverError: naming ``flag``; the place is a file or not writable.
+    """
+    folder = Path(path).absolute().parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
@@ -120,7 +132,6 @@ def check_output_path(path: str | os.PathLike, flag: str = "--out", suffix: str 
         os.unlink(tmp)
     except OSError as e:
         raise RiverError(f"{flag} {str(path)!r}: cannot write in {str(folder)!r} ({e.strerror}); choose another path") from None
-    return path
 
 
 def write_json(path: str | os.PathLike, obj) -> None:

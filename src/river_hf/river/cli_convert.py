@@ -60,17 +60,9 @@ def _check_out_dir(out_dir: str) -> None:
             is_river = False
         if not is_river:
             raise RiverError(f"OUT_DIR {out_dir!r} exists and is not a River folder; choose a new folder or empty it")
-    import os
-    import tempfile
+    from ..eval.common import check_writable_place
 
-    place = out.absolute().parent  # the save writes a temporary folder here, then renames it
-    while not place.exists() and place != place.parent:
-        place = place.parent
-    try:
-        tmp = tempfile.mkdtemp(prefix=".river-hf-write-check-", dir=place)
-        os.rmdir(tmp)
-    except OSError as e:
-        raise RiverError(f"OUT_DIR {out_dir!r}: cannot write in {str(place)!r} ({e.strerror}); choose another folder") from None
+    check_writable_place(out, "OUT_DIR")  # the save writes a temporary folder next to it, then renames it
 
 
 def handler(args) -> int:
