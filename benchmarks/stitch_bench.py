@@ -14,6 +14,13 @@ Latency estimator (R-Stitch Sec. 3): calibrated on random tokens at the start (o
 LLM-only / SLM-only as one prefill + decode steps, R-Stitch from its forward log. Assisted
 generation has no prediction (its verify/draft pattern is not what the estimator models).
 
+Kernels: on CPU in fp32, ``river_hf.kernels.SmallBatchLinear`` computes products of 2-64 rows in
+the faster GEMM orientation. R-Stitch uses it for its catch-up forwards (``generate``'s default);
+assisted generation runs inside it as a whole (its verify forwards are the same kind of few-token
+forward), and so does the estimator's calibration. LLM-only and SLM-only run plain (one-token steps
+are untouched by the mode and would only pay its Python dispatch cost). ``--stock-linear`` runs
+every method on torch's stock path.
+
 Example (the command used for docs/results/stitch_humaneval.*):
     PYTHONPATH=src nohup nice -n 5 python benchmarks/stitch_bench.py --allow-code-execution \
         > docs/results/stitch_humaneval.log 2>&1 &
@@ -22,6 +29,7 @@ Example (the command used for docs/results/stitch_humaneval.*):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -113,6 +121,7 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
         "stop_strings": STOP_STRINGS,
         "estimator": estimator_path,
         "torch_threads": args.threads,
+        "small_batch_linear": not args.stock_linear,
         "summary": summary,
         "records": records,
     }
@@ -123,7 +132,11 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
         f"# R-Stitch on HumanEval ({len(records)} of {args.n_problems} problems{'' if finished else ', partial'})",
         "",
         f"SLM `{args.slm}`, LLM `{args.llm}`, fp32, CPU, greedy, max {args.max_new_tokens} new tokens, "
-        "HumanEval completion prompts with the usual stop strings. Updated " + doc["updated"] + ".",
+        "HumanEval completion prompts with the usual stop strings; "
+        + ("torch's stock Linear kernels" if args.stock_linear else
+           "R-Stitch catch-ups and assisted generation inside `river_hf.kernels.SmallBatchLinear` "
+           "(2-64-row fp32 products rerouted)")
+        + ". Updated " + doc["updated"] + ".",
         "",
         "Command:",
         "",
@@ -227,7 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llm", default="qwen2.5-coder-1.5b")
     ap.add_argument("--n-problems", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--taus", type=lambda s: [float(x) for x in s.split(",")], default=[0.001, 0.02, 0.03, 0.1])
+    ap.add_argument("--taus", type=lambda s: [float(x) for x in s.split(",")], default=[0.001, 0.02, 0.03, 0.05, 0.07, 0.1])
     ap.add_argument("--allow-code-execution", action="store_true", help="run model-written code to score pass@1")
     ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--name", default="stitch_humaneval")
@@ -236,6 +249,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rescore-with", default=None, metavar="ESTIMATOR_JSON",
                     help="recompute predicted latencies of an existing results JSON with this estimator; no generation")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--stock-linear", action="store_true",
+                    help="do not route small-batch fp32 CPU products through river_hf.kernels.SmallBatchLinear "
+                         "(neither for R-Stitch's catch-ups nor for the other methods)")
     args = ap.parse_args(argv)
 
     if args.rescore_with:
@@ -245,8 +261,12 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
     from transformers import StoppingCriteriaList
 
+    from river_hf.kernels import SmallBatchLinear
     from river_hf.models import load
     from river_hf.stitch import LatencyEstimator, generate
+
+    def kernels():
+        return contextlib.nullcontext() if args.stock_linear else SmallBatchLinear()
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -260,7 +280,10 @@ def main(argv=None) -> int:
         est = LatencyEstimator.load(args.estimator)
         est_path = args.estimator
     else:
-        est = LatencyEstimator.calibrate({"slm": slm, "llm": llm}, cache_lengths=(32, 192), chunk_sizes=(1, 1, 1, 4, 16))
+        with kernels():
+            est = LatencyEstimator.calibrate({"slm": slm, "llm": llm}, cache_lengths=(32, 192),
+                                             chunk_sizes=(1, 1, 1, 2, 4, 16))
+        est.meta["small_batch_linear"] = not args.stock_linear
         est.save(est_path)
         if args.calibrate_only:
             print("saved", est_path, json.dumps(est.coef))
@@ -286,7 +309,9 @@ def main(argv=None) -> int:
             if m in ("llm", "slm", "assisted"):
                 model = slm if m == "slm" else llm
                 kw = {"assistant_model": slm} if m == "assisted" else {}
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=tok.pad_token_id, **common, **kw)
+                with kernels() if m == "assisted" else contextlib.nullcontext():
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=tok.pad_token_id,
+                                         **common, **kw)
                 seconds = time.perf_counter() - t0
                 new = out[0, plen:]
                 info["slm_tokens"] = len(new) if m == "slm" else 0
@@ -295,7 +320,7 @@ def main(argv=None) -> int:
             else:
                 tau = float(m.split("tau")[1])
                 res = generate(slm, llm, ids, tau=tau, return_dict_in_generate=True, tokenizer=llm_tok,
-                               assistant_tokenizer=tok, **common)
+                               assistant_tokenizer=tok, small_batch_linear=not args.stock_linear, **common)
                 seconds = time.perf_counter() - t0
                 new = res.sequences[0, plen:]
                 st = res.stats

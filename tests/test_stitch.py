@@ -330,3 +330,32 @@ def test_custom_generate_local_folder_needs_trust_remote_code():
     slm, llm = tiny_qwen(32, 2, V, seed=1), tiny_qwen(64, 3, V, seed=2)
     with pytest.raises(ValueError, match="trust_remote_code"):
         llm.generate(_prompt(), custom_generate=CUSTOM_GENERATE_DIR, assistant_model=slm, tau=0.1, max_new_tokens=2)
+
+
+def test_catch_up_forwards_use_small_batch_linear_and_give_the_same_tokens(monkeypatch):
+    """fp32 catch-up forwards run under SmallBatchLinear (first prefills and one-token steps do
+    not); turning it off gives the same tokens and sources."""
+    import river_hf.stitch.generation as gen_mod
+    from river_hf.kernels import SmallBatchLinear
+
+    used = []
+
+    class Spy(SmallBatchLinear):
+        def __exit__(self, *exc):
+            used.append(self.calls_rerouted)
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(gen_mod, "SmallBatchLinear", Spy)
+    slm, llm = tiny_qwen(32, 2, V, seed=11), tiny_qwen(64, 3, V + 24, seed=12)
+    ids = _prompt(3, n=5)
+    outs = {}
+    for on in (True, False):
+        used.clear()
+        outs[on] = generate(slm, llm, ids, tau=0.5, max_new_tokens=24, vocab_size=V, return_dict_in_generate=True,
+                            small_batch_linear=on)
+        catch_ups = [(t, c) for _, t, c, _ in outs[on].stats.forward_log if c > 0 and t > 1]
+        assert catch_ups, "τ = 0.5 should make the models hand over"
+        assert len(used) == (len(catch_ups) if on else 0)
+        assert all(n > 0 for n in used)
+    assert outs[True].sequences.tolist() == outs[False].sequences.tolist()
+    assert outs[True].sources.tolist() == outs[False].sources.tolist()

@@ -7,7 +7,9 @@ The prompt goes through the tokenizer's chat template when it has one (raw text 
 answer is printed with the SLM's tokens marked: green on a terminal, ``[[...]]`` otherwise; then
 the stats (tokens per model, hand-overs, forwards and seconds per model). ``--compare`` also runs
 LLM-only greedy ``generate`` and HF assisted generation (``assistant_model=`` the SLM) on the same
-input and prints their latency next to R-Stitch's.
+input and prints their latency next to R-Stitch's. All three run their small-batch fp32 CPU
+products through :class:`~river_hf.kernels.SmallBatchLinear` (assisted generation verifies several
+tokens per forward, like R-Stitch's catch-ups), so the comparison is kernel for kernel.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def handler(args: argparse.Namespace) -> int:
     import torch
 
     from ..models import load
+    from ..kernels import SmallBatchLinear
     from .generation import check_pair, generate
 
     slm, slm_tok = load(args.slm, progress=not args.json)
@@ -94,7 +97,8 @@ def handler(args: argparse.Namespace) -> int:
         cmp = {}
         for name, kw in (("llm_only", {}), ("assisted", {"assistant_model": slm})):
             t0 = time.perf_counter()
-            seq = llm.generate(ids, **common, **kw)
+            with SmallBatchLinear():
+                seq = llm.generate(ids, **common, **kw)
             dt = time.perf_counter() - t0
             cmp[name] = {
                 "seconds": dt,

@@ -25,6 +25,13 @@ Implementation notes (what this module does where the paper leaves a choice):
   ``cache length == tokens the model has seen`` after every forward.
 - Exactness switches: τ < 0 never accepts an SLM token (H ≥ 0 > τ), so the SLM is not run at all
   and the result is the LLM's own decoding; τ ≥ 1 always accepts (H ≤ 1), so it is the SLM's.
+- Catch-up forwards (a few tokens on top of a non-empty cache) run under
+  :class:`~river_hf.kernels.SmallBatchLinear` by default: on CPU in fp32, torch's stock ``F.linear``
+  makes a 2-4-token forward cost as much as 2-2.5 one-token steps, which taxes every hand-over; the
+  mode computes those products in the faster orientation (same result up to fp32 summation
+  order). The first prefill of each model and every one-token step use the stock path, so the
+  exactness switches still match ``generate`` token for token. ``small_batch_linear=False`` turns
+  it off.
 - Batch size 1 only (each sequence switches models at its own positions); a larger batch raises
   :class:`~river_hf.errors.RiverError`.
 """
@@ -38,6 +45,8 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+from ..kernels import SmallBatchLinear
 from transformers.utils import ModelOutput
 
 from ..errors import RiverError
@@ -174,8 +183,9 @@ class _Runner:
     """One model with its own KV cache; ``step(seq)`` catches up on ``seq`` and returns the logits
     of the next position."""
 
-    def __init__(self, name: str, model, stats: StitchStats):
+    def __init__(self, name: str, model, stats: StitchStats, small_batch_linear: bool = True):
         self.name, self.model, self.stats = name, model, stats
+        self.small_batch_linear = small_batch_linear
         self.cache = DynamicCache(config=model.config)
         self.seen = 0  # tokens of the running sequence in the cache
 
@@ -186,7 +196,11 @@ class _Runner:
             raise AssertionError(f"{self.name}: nothing new to process")
         cache_len = self.seen
         t0 = time.perf_counter()
-        out = self.model(input_ids=chunk, cache=self.cache, use_cache=True, logits_to_keep=1)
+        if self.small_batch_linear and cache_len > 0 and chunk.shape[1] > 1:  # a catch-up forward
+            with SmallBatchLinear():
+                out = self.model(input_ids=chunk, cache=self.cache, use_cache=True, logits_to_keep=1)
+        else:
+            out = self.model(input_ids=chunk, cache=self.cache, use_cache=True, logits_to_keep=1)
         dt = time.perf_counter() - t0
         self.seen = seq.shape[1]
         extra = self.cache.get_seq_length() - self.seen
@@ -230,6 +244,7 @@ def generate(
     tokenizer=None,
     assistant_tokenizer=None,
     vocab_size: int | None = None,
+    small_batch_linear: bool = True,
     **generation_kwargs: Any,
 ) -> torch.LongTensor | StitchOutput:
     """Decode with R-Stitch: the SLM writes the tokens it is sure of, the LLM the others.
@@ -253,6 +268,8 @@ def generate(
         tokenizer / assistant_tokenizer: the LLM's / SLM's tokenizer; when both are given the pair is
             checked (:func:`check_pair`), and ``len(tokenizer)`` sets the shared vocabulary size.
         vocab_size: shared vocabulary size V (overrides the rule in :func:`shared_vocab_size`).
+        small_batch_linear: run catch-up forwards under :class:`~river_hf.kernels.SmallBatchLinear`
+            (fp32 CPU only has an effect; see the module notes).
 
     Returns:
         ``LongTensor [1, prompt_len + new_tokens]``, or a :class:`StitchOutput`. Either way the call's
@@ -309,7 +326,7 @@ def generate(
     criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
 
     stats = StitchStats()
-    runners = {SLM: _Runner("slm", slm, stats), LLM: _Runner("llm", llm, stats)}
+    runners = {SLM: _Runner("slm", slm, stats, small_batch_linear), LLM: _Runner("llm", llm, stats, small_batch_linear)}
     seq = prompt
     sources: list[int] = []
     entropies: list[float] = []

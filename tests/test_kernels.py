@@ -1,0 +1,95 @@
+"""SmallBatchLinear: the rerouted fp32 CPU products equal F.linear's, only 2..max_rows-row fp32
+calls are rerouted, and a whole model's forward under the mode gives the stock logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from river_hf.kernels import SmallBatchLinear
+
+
+@pytest.mark.parametrize("shape", [(2, 48), (1, 3, 48), (2, 4, 48), (64, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_rerouted_product_equals_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    lin = torch.nn.Linear(48, 80, bias=bias)
+    ref = F.linear(x, lin.weight, lin.bias)
+    mode = SmallBatchLinear()
+    with torch.no_grad(), mode:
+        out = lin(x)
+    assert mode.calls_rerouted == 1
+    assert out.shape == ref.shape and out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.view(-1)  # downstream .view() (attention head split) needs a contiguous result
+
+
+@pytest.mark.parametrize(
+    "x, weight",
+    [
+        (torch.randn(1, 1, 16), torch.randn(8, 16)),  # one row: already a GEMV
+        (torch.randn(65, 16), torch.randn(8, 16)),  # more rows than max_rows
+        (torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)),
+        (torch.randn(4, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)),
+    ],
+    ids=["one_row", "too_many_rows", "bf16", "fp64"],
+)
+def test_other_calls_pass_through_unchanged(x, weight):
+    ref = F.linear(x, weight)
+    mode = SmallBatchLinear(max_rows=64)
+    with mode:
+        out = F.linear(x, weight)
+    assert mode.calls_rerouted == 0
+    assert torch.equal(out, ref)
+
+
+def test_quantized_weights_keep_their_kernel():
+    from optimum.quanto import freeze, qint8, quantize
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    x = torch.randn(4, 64)
+    quantize(net, weights=qint8)
+    freeze(net)
+    with torch.no_grad():
+        ref = net(x)
+        mode = SmallBatchLinear()
+        with mode:
+            out = net(x)
+    assert mode.calls_rerouted == 0
+    assert torch.equal(out, ref)
+
+
+def test_whole_model_catch_up_forward_matches_stock():
+    """A 5-token forward on top of a cached prefix, as R-Stitch's catch-up does: same logits and
+    the same KV cache as without the mode (fp32 summation order aside)."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 12))
+    outs = []
+    for use_mode in (False, True):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :7], cache=cache, use_cache=True)
+            mode = SmallBatchLinear()
+            if use_mode:
+                with mode:
+                    logits = model(input_ids=ids[:, 7:], cache=cache, use_cache=True).logits
+                assert mode.calls_rerouted == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + lm_head
+            else:
+                logits = model(input_ids=ids[:, 7:], cache=cache, use_cache=True).logits
+        outs.append((logits, cache.layers[1].keys.clone()))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
+
+
+def test_max_rows_below_two_is_refused():
+    with pytest.raises(ValueError, match="max_rows"):
+        SmallBatchLinear(max_rows=1)
