@@ -103,8 +103,33 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
     return out
 
 
-def write_outputs(args, records, methods, estimator_path, started, finished: bool) -> dict:
+def stitch_ceiling(records: list[dict], est) -> dict | None:
+    """The latency estimator's bound on any R-Stitch speedup over LLM-only for these problems.
+
+    R-Stitch prefills the prompt with the SLM and, as soon as the LLM writes one token, with the
+    LLM too; its cheapest trajectory is the SLM writing every other token. Per problem, with n =
+    the LLM-only run's new tokens and P = prompt tokens: ``bound = LLM(P prefill + n-1 decodes) /
+    (LLM(P prefill) + SLM(P prefill + n-1 decodes))``, all from the estimator (free hand-overs, no
+    discarded SLM steps). Returned as the ratio of the sums over problems.
+    """
+    rows = [r for r in records if "llm" in r["methods"]]
+    if est is None or not rows:
+        return None
+    llm = slm_only = stitched = 0.0
+    for r in rows:
+        p, n = r["prompt_tokens"], r["methods"]["llm"]["new_tokens"]
+        llm += est.predict_autoregressive("llm", p, n)
+        slm_only += est.predict_autoregressive("slm", p, n)
+        stitched += est.predict_forward("llm", p, 0) + est.predict_autoregressive("slm", p, n)
+    return {"problems": len(rows), "llm_s": llm / len(rows), "slm_only_s": slm_only / len(rows),
+            "stitch_with_one_llm_token_s": stitched / len(rows),
+            "max_speedup_using_llm": llm / stitched if stitched else None,
+            "max_speedup_slm_only": llm / slm_only if slm_only else None}
+
+
+def write_outputs(args, records, methods, estimator_path, started, finished: bool, est=None) -> dict:
     summary = summarize(records, methods)
+    ceiling = stitch_ceiling(records, est)
     command = _COMMAND_OVERRIDE or "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in sys.argv)
     doc = {
         "command": command,
@@ -123,6 +148,7 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
         "torch_threads": args.threads,
         "small_batch_linear": not args.stock_linear,
         "summary": summary,
+        "ceiling": ceiling,
         "records": records,
     }
     base = os.path.join(args.out_dir, args.name)
@@ -159,6 +185,14 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
     machine = (f"Machine: {os.cpu_count()} CPU cores; 1-minute load average after each problem "
                f"{min(loads):.1f}-{max(loads):.1f} (this run alone keeps it near its torch thread count, {args.threads})"
                if loads else "Machine: load average not recorded")
+    if ceiling:
+        lines += [
+            "",
+            f"Ceiling (latency estimator, same problems, LLM-only token counts): an R-Stitch run in which the LLM "
+            f"writes a single token still prefills the prompt with both models, so no τ can beat "
+            f"**{ceiling['max_speedup_using_llm']:.2f}x** over LLM-only here (SLM alone, never calling the LLM: "
+            f"{ceiling['max_speedup_slm_only']:.2f}x). Hand-overs cost more on top (discarded SLM steps, catch-ups).",
+        ]
     lines += [
         "",
         machine + ".",
@@ -222,12 +256,13 @@ def rescore(args) -> int:
     methods = list(doc["records"][0]["methods"]) if doc["records"] else []
     args.slm, args.llm, args.taus = doc["slm"], doc["llm"], doc["taus"]
     args.max_new_tokens, args.n_problems, args.threads = doc["max_new_tokens"], doc["problems_requested"], doc["torch_threads"]
+    args.stock_linear = not doc.get("small_batch_linear", False)  # runs before SmallBatchLinear existed were stock
     started, finished = doc["started"], doc["finished"]
     doc_cmd = doc["command"]
     global _COMMAND_OVERRIDE
     _COMMAND_OVERRIDE = doc_cmd + "\n# predictions recomputed with: PYTHONPATH=src python " + " ".join(
         shlex.quote(a) for a in sys.argv)
-    write_outputs(args, doc["records"], methods, args.rescore_with, started, finished)
+    write_outputs(args, doc["records"], methods, args.rescore_with, started, finished, est=est)
     return 0
 
 
@@ -336,8 +371,8 @@ def main(argv=None) -> int:
                   f"{len(new)} tok passed={info.get('passed')}", flush=True)
         rec["loadavg_1min"] = os.getloadavg()[0]
         records.append(rec)
-        summary = write_outputs(args, records, methods, est_path, started, finished=False)
-    summary = write_outputs(args, records, methods, est_path, started, finished=True)
+        summary = write_outputs(args, records, methods, est_path, started, finished=False, est=est)
+    summary = write_outputs(args, records, methods, est_path, started, finished=True, est=est)
     for m, s in summary.items():
         print(m, json.dumps(s), flush=True)
     return 0

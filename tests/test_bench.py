@@ -47,6 +47,7 @@ def test_bench_json_png_and_exact_row(tiny_folder, tmp_path):
     (["--out", "bench.txt"], ".json"),
     (["--eval-json", "missing.json"], "not a river-hf eval report"),
     (["--plot-only", "--out", "none.json"], "needs an existing bench report"),
+    (["--prompts", "1000"], "HumanEval has 164 prompts"),
 ])
 def test_bench_bad_input(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

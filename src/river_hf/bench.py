@@ -247,12 +247,16 @@ def handler(args) -> int:
         log(f"redrew {out.with_suffix('.png')}")
         return 0
     progress = not args.no_progress
+    problems = humaneval_problems()
+    if args.prompts > len(problems):
+        raise RiverError(f"--prompts {args.prompts}: HumanEval has {len(problems)} prompts; pass at most {len(problems)}")
 
     start = time.perf_counter()
     model, tokenizer, default_tau = load_river_model(args.model, progress=progress)
     if not taus:
         taus = [2.0, default_tau]
-    prompt_ids = [encode_prompt(tokenizer, humaneval_prompt(p))["input_ids"].to(model.device) for p in humaneval_problems(args.prompts)]
+    prompt_ids = [encode_prompt(tokenizer, humaneval_prompt(p))["input_ids"].to(model.device)
+                  for p in problems[: args.prompts]]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = run_bench(model, prompt_ids, taus, new_tokens=args.new_tokens, repeats=args.repeats, progress=progress,
                      pad_token_id=pad)
