@@ -93,3 +93,17 @@ def test_whole_model_catch_up_forward_matches_stock():
 def test_max_rows_below_two_is_refused():
     with pytest.raises(ValueError, match="max_rows"):
         SmallBatchLinear(max_rows=1)
+
+
+def test_mixed_dtype_bias_is_left_to_f_linear_and_grad_flows():
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    mode = SmallBatchLinear()
+    with pytest.raises(RuntimeError), mode:  # F.linear refuses a bf16 bias with fp32 weights; so must the mode
+        F.linear(x, w, torch.randn(5, dtype=torch.bfloat16))
+    assert mode.calls_rerouted == 0
+    w1 = torch.randn(1, 4, requires_grad=True)  # one output feature: the transposed product is already contiguous
+    ref_grad = torch.autograd.grad(F.linear(x, w1).pow(2).sum(), w1)[0]
+    with SmallBatchLinear() as mode:
+        grad = torch.autograd.grad(F.linear(x, w1).pow(2).sum(), w1)[0]
+    assert mode.calls_rerouted == 1
+    torch.testing.assert_close(grad, ref_grad)

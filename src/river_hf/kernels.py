@@ -53,8 +53,8 @@ class SmallBatchLinear(TorchFunctionMode):
     def _eligible(self, x, weight, bias) -> bool:
         if not all(t is None or type(t) in _PLAIN for t in (x, weight, bias)):
             return False  # tensor subclasses (quantized weights) keep their own kernels
-        if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
-            return False
+        if any(t is not None and (t.device.type != "cpu" or t.dtype != torch.float32) for t in (x, weight, bias)):
+            return False  # F.linear itself decides (and raises) for mixed devices or dtypes
         if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
             return False
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
