@@ -7,7 +7,8 @@ verify step) with torch's stock Linear kernels and inside ``river_hf.kernels.Sma
 For every model and chunk size k: a prefill of ``--cache-length`` random tokens, then a forward of
 k tokens on top of it (``logits_to_keep=1``, the cache cropped back in between), stock and routed
 alternately, ``--repeats`` times each; the median is reported, with the cost in one-token decode
-steps (k = 1, stock) and the largest absolute logit difference between the two paths. Writes
+steps (k = 1, stock), the achieved weight bandwidth of a decode step (weight bytes read per step /
+seconds) and the largest absolute logit difference between the two paths. Writes
 ``OUT.json`` and ``OUT.png`` (write to a temp file, then rename).
 """
 
@@ -18,17 +19,9 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
-
-def _atomic_write(path: str, data: bytes) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+from river_hf.eval.common import atomic_write
 
 
 def main(argv=None) -> int:
@@ -53,7 +46,11 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     for key in args.models.split(","):
         model, _ = load(key, dtype=torch.float32, progress=False)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # weight bytes one decode step reads: every parameter except an untied input-embedding table
+        # (a step reads one of its rows)
+        emb = model.get_input_embeddings().weight
+        tied = emb is model.get_output_embeddings().weight
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
         ids = torch.randint(100, 20000, (1, args.cache_length + max(chunks)), generator=gen)
         cache = DynamicCache(config=model.config)
         rows = []
@@ -89,11 +86,14 @@ def main(argv=None) -> int:
         for r in rows:
             r["stock_decode_steps"] = r["stock_s"] / decode if decode else None
             r["routed_decode_steps"] = r["routed_s"] / decode if decode else None
-        results["models"][key] = {"weight_bytes": weight_bytes, "rows": rows,
+        results["models"][key] = {"weight_bytes_read_per_decode_step": weight_bytes, "rows": rows,
                                   "decode_GBps": weight_bytes / decode / 1e9 if decode else None}
+        if decode:
+            print(f"{key}: decode step {decode:.3f} s = {weight_bytes / decode / 1e9:.1f} GB/s of weights "
+                  f"({weight_bytes / 1e9:.2f} GB read per step)", flush=True)
         del model
 
-    _atomic_write(args.out + ".json", json.dumps(results, indent=1).encode())
+    atomic_write(args.out + ".json", json.dumps(results, indent=1).encode())
     import io
 
     import matplotlib
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
-    _atomic_write(args.out + ".png", buf.getvalue())
+    atomic_write(args.out + ".png", buf.getvalue())
     print("wrote", args.out + ".json", args.out + ".png")
     return 0
 

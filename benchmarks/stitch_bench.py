@@ -34,19 +34,11 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 import time
 
+from river_hf.eval.common import atomic_write
+
 STOP_STRINGS = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```", "\nassert "]
-
-
-def _atomic_write(path: str, text: str | bytes) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-    with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def stop_in_completion(tokenizer, prompt_tokens: int):
@@ -127,14 +119,14 @@ def stitch_ceiling(records: list[dict], est) -> dict | None:
             "max_speedup_slm_only": llm / slm_only if slm_only else None}
 
 
-def write_outputs(args, records, methods, estimator_path, started, finished: bool, est=None) -> dict:
+def write_outputs(args, records, methods, estimator_path, started, finished: bool, est=None, updated=None) -> dict:
     summary = summarize(records, methods)
     ceiling = stitch_ceiling(records, est)
     command = _COMMAND_OVERRIDE or "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in sys.argv)
     doc = {
         "command": command,
         "started": started,
-        "updated": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "updated": updated or time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "finished": finished,
         "slm": args.slm,
         "llm": args.llm,
@@ -152,7 +144,7 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
         "records": records,
     }
     base = os.path.join(args.out_dir, args.name)
-    _atomic_write(base + ".json", json.dumps(doc, indent=1))
+    atomic_write(base + ".json", json.dumps(doc, indent=1))
     # markdown
     lines = [
         f"# R-Stitch on HumanEval ({len(records)} of {args.n_problems} problems{'' if finished else ', partial'})",
@@ -198,7 +190,7 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
         machine + ".",
         "Ratios come from running every method on the same problem back to back.",
     ]
-    _atomic_write(base + ".md", "\n".join(lines) + "\n")
+    atomic_write(base + ".md", "\n".join(lines) + "\n")
     if summary:
         _plot(summary, base + ".png", len(records))
     return summary
@@ -235,7 +227,7 @@ def _plot(summary: dict, path: str, n: int) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    _atomic_write(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def rescore(args) -> int:
@@ -258,15 +250,17 @@ def rescore(args) -> int:
     args.max_new_tokens, args.n_problems, args.threads = doc["max_new_tokens"], doc["problems_requested"], doc["torch_threads"]
     args.stock_linear = not doc.get("small_batch_linear", False)  # runs before SmallBatchLinear existed were stock
     started, finished = doc["started"], doc["finished"]
-    doc_cmd = doc["command"]
+    doc_cmd = doc["command"].split(_RESCORED)[0]  # a second rescore replaces the first one's line
     global _COMMAND_OVERRIDE
-    _COMMAND_OVERRIDE = doc_cmd + "\n# predictions recomputed with: PYTHONPATH=src python " + " ".join(
-        shlex.quote(a) for a in sys.argv)
-    write_outputs(args, doc["records"], methods, args.rescore_with, started, finished, est=est)
+    _COMMAND_OVERRIDE = doc_cmd + _RESCORED + "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in sys.argv)
+    # "updated" stays the run's own time: the records are unchanged, only predictions are recomputed
+    write_outputs(args, doc["records"], methods, args.rescore_with, started, finished, est=est, updated=doc["updated"])
+    print("rescored", path, "with", args.rescore_with)
     return 0
 
 
 _COMMAND_OVERRIDE = None
+_RESCORED = "\n# predictions recomputed with: "
 
 
 def main(argv=None) -> int:

@@ -90,9 +90,24 @@ def test_whole_model_catch_up_forward_matches_stock():
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
 
 
-def test_max_rows_below_two_is_refused():
+@pytest.mark.parametrize("max_rows", [1, 2.5, True])
+def test_max_rows_must_be_an_int_of_at_least_two(max_rows):
     with pytest.raises(ValueError, match="max_rows"):
-        SmallBatchLinear(max_rows=1)
+        SmallBatchLinear(max_rows=max_rows)
+
+
+def test_out_argument_and_cpu_autocast_pass_through():
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    out = torch.empty(4, 8)
+    with SmallBatchLinear() as mode:
+        result = F.linear(x, w, None, out=out)
+    assert result is out and mode.calls_rerouted == 0
+    torch.testing.assert_close(out, F.linear(x, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.linear(x, w)
+        with SmallBatchLinear() as mode:
+            got = F.linear(x, w)
+    assert mode.calls_rerouted == 0 and got.dtype == torch.bfloat16 and torch.equal(got, ref)
 
 
 def test_mixed_dtype_bias_is_left_to_f_linear_and_grad_flows():

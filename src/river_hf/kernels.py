@@ -5,13 +5,14 @@ assisted generation) calls each Linear with an input of ``rows`` = 2..64 tokens.
 fp32 ``F.linear`` (MKL ``sgemm`` on ``x @ W.T``) runs such shapes 1.5-2.9x slower than computing
 the same product as ``(W @ x.T).T``, measured on this project's 2-core AMD EPYC with torch 2.13:
 at ``rows`` = 4 a 1536→8960 Linear reads its weights at ~4 GB/s instead of ~15 GB/s, so a 4-token
-forward of a 1.5B model costs 2.5 one-token decode steps instead of about one (see
+forward of a 1.5B model costs 2.3-2.7 one-token decode steps instead of about one (see
 ``benchmarks/small_batch_linear.py`` and docs/stitch.md). One token (``rows`` = 1) is a GEMV and
 is already fast; bf16 shows no such gap, and from ~128 rows on the stock path is as fast or faster.
 
 :class:`SmallBatchLinear` is a ``TorchFunctionMode``: inside ``with SmallBatchLinear():`` every
 ``F.linear`` call whose input is fp32 on CPU with 2..``max_rows`` rows is computed as
-``torch.mm(W, x.T).T`` (+ bias); every other call is passed through untouched. No module is
+``torch.mm(W, x.T).T`` (+ bias); every other call (an ``out=`` argument, CPU autocast on, mixed
+dtypes or devices) is passed through untouched. No module is
 modified, so the models, their hooks (accelerate offload) and their saved weights are as they were.
 The result equals ``F.linear``'s up to fp32 summation order (relative error ~1e-7).
 """
@@ -40,14 +41,14 @@ class SmallBatchLinear(TorchFunctionMode):
     Anything else (one row, other dtypes or devices, quantized weights) goes to ``F.linear``.
 
     Raises:
-        ValueError: ``max_rows`` < 2.
+        ValueError: ``max_rows`` is not an int >= 2.
     """
 
     def __init__(self, max_rows: int = 64):
         super().__init__()
-        if max_rows < 2:
-            raise ValueError(f"max_rows must be >= 2 (one row is already a fast GEMV), got {max_rows}")
-        self.max_rows = int(max_rows)
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 2:
+            raise ValueError(f"max_rows must be an int >= 2 (one row is already a fast GEMV), got {max_rows!r}")
+        self.max_rows = max_rows
         self.calls_rerouted = 0
 
     def _eligible(self, x, weight, bias) -> bool:
@@ -62,7 +63,8 @@ class SmallBatchLinear(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear or func is torch._C._nn.linear:
+        if (func is F.linear or func is torch._C._nn.linear) and "out" not in kwargs \
+                and not torch.is_autocast_enabled("cpu"):
             x = args[0] if args else kwargs["input"]
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")

@@ -134,21 +134,30 @@ def check_writable_place(path: str | os.PathLike, flag: str) -> None:
         raise RiverError(f"{flag} {str(path)!r}: cannot write in {str(folder)!r} ({e.strerror}); choose another path") from None
 
 
-def write_json(path: str | os.PathLike, obj) -> None:
-    """Write ``obj`` as indented JSON to ``path`` atomically (temp file in the same folder, then
-    ``os.replace``), so an interrupted run never leaves a half-written file."""
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically: a temp file in the same
+    folder (missing folders are created), then ``os.replace``, so an interrupted run never leaves a
+    half-written file. The file gets the mode an ordinary ``open`` would give under the current
+    umask (``mkstemp``'s own 0600 would hide results from other users)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """Write ``obj`` as indented JSON to ``path`` with :func:`atomic_write`."""
+    atomic_write(path, json.dumps(obj, indent=2) + "\n")
 
 
 def humaneval_problems(limit: int | None = None) -> list[dict]:

@@ -27,7 +27,7 @@ Implementation notes (what this module does where the paper leaves a choice):
   and the result is the LLM's own decoding; τ ≥ 1 always accepts (H ≤ 1), so it is the SLM's.
 - Catch-up forwards (a few tokens on top of a non-empty cache) run under
   :class:`~river_hf.kernels.SmallBatchLinear` by default: on CPU in fp32, torch's stock ``F.linear``
-  makes a 2-4-token forward cost as much as 2-2.5 one-token steps, which taxes every hand-over; the
+  makes a 2-4-token forward cost as much as 2-2.9 one-token steps, which taxes every hand-over; the
   mode computes those products in the faster orientation (same result up to fp32 summation
   order). The first prefill of each model and every one-token step use the stock path, so the
   exactness switches still match ``generate`` token for token. ``small_batch_linear=False`` turns

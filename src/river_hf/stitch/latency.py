@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from typing import Iterable
 
@@ -162,14 +161,10 @@ class LatencyEstimator:
         return {"formula": "seconds = a + b*tokens + c*cache_length", "coef": self.coef, "meta": self.meta}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write JSON atomically (temp file, then ``os.replace``)."""
-        path = os.fspath(path)
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+        """Write JSON atomically (temp file, then ``os.replace``; :func:`river_hf.eval.common.atomic_write`)."""
+        from ..eval.common import atomic_write
+
+        atomic_write(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "LatencyEstimator":
