@@ -68,8 +68,8 @@ def handler(args: argparse.Namespace) -> int:
         raise RiverError("--tau must be a number such as 0.02 (< 0 = LLM only, >= 1 = SLM only), got nan")
     import torch
 
-    from ..models import load
     from ..kernels import SmallBatchLinear
+    from ..models import load
     from .generation import check_pair, generate
 
     slm, slm_tok = load(args.slm, progress=not args.json)

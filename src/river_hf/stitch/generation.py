@@ -45,11 +45,10 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-
-from ..kernels import SmallBatchLinear
 from transformers.utils import ModelOutput
 
 from ..errors import RiverError
+from ..kernels import SmallBatchLinear
 
 __all__ = ["generate", "normalized_entropy", "check_pair", "shared_vocab_size", "StitchOutput", "StitchStats", "SLM", "LLM"]
 
