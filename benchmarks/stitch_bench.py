@@ -205,7 +205,7 @@ def _plot(summary: dict, path: str, n: int) -> None:
     import matplotlib.pyplot as plt
 
     names = list(summary)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
     axes[0].bar(names, [summary[m]["speedup_vs_llm"] or 0 for m in names], color="tab:blue")
     axes[0].axhline(1.0, color="k", lw=0.8)
     axes[0].set_title("speedup vs LLM-only (mean latency)")
@@ -220,8 +220,30 @@ def _plot(summary: dict, path: str, n: int) -> None:
     axes[2].set_xticks(list(x), names)
     axes[2].set_title("latency per problem (s)")
     axes[2].legend()
-    for ax in axes:
+    for ax in axes[:3]:
         ax.tick_params(axis="x", rotation=45)
+    # quality vs speed: the target region is >= 1.5x at no more than one problem below LLM-only
+    ax = axes[3]
+    llm = summary.get("llm")
+    if llm and llm["pass@1"] is not None:
+        floor = llm["pass@1"] - 1 / llm["problems"]
+        right = max(2.2, max(summary[m]["speedup_vs_llm"] or 0 for m in names) + 0.1)
+        ax.fill_between([1.5, right], floor, 1.0, color="tab:green", alpha=0.12,
+                        label="target: >= 1.5x, <= 1 problem lost")
+    for i, m in enumerate(names):
+        s_, p_ = summary[m]["speedup_vs_llm"], summary[m]["pass@1"]
+        if s_ is None or p_ is None:
+            continue
+        colour = "tab:blue" if m.startswith("rstitch") else "tab:gray"
+        ax.plot(s_, p_, "o", color=colour)
+        ax.annotate(m.replace("rstitch_tau", "τ="), (s_, p_), textcoords="offset points",
+                    xytext=(2, 4 if i % 2 else -6), fontsize=7, rotation=50 if i % 2 else -50,
+                    va="bottom" if i % 2 else "top")  # alternate above/below: equal pass@1 is common
+    ax.set_ylim(max(0.0, min((summary[m]["pass@1"] or 0) for m in names) - 0.05), 1.0)
+    ax.set_xlabel("speedup vs LLM-only")
+    ax.set_ylabel("pass@1")
+    ax.set_title("pass@1 vs speedup")
+    ax.legend(fontsize=7, loc="lower left")
     fig.suptitle(f"R-Stitch, HumanEval first {n} problems, 2-core CPU")
     fig.tight_layout()
     buf = io.BytesIO()
