@@ -63,8 +63,7 @@ class SmallBatchLinear(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func is F.linear or func is torch._C._nn.linear) and "out" not in kwargs \
-                and not torch.is_autocast_enabled("cpu"):
+        if func is F.linear and "out" not in kwargs and not torch.is_autocast_enabled("cpu"):  # F.linear is torch._C._nn.linear
             x = args[0] if args else kwargs["input"]
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")

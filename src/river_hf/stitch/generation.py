@@ -38,6 +38,7 @@ Implementation notes (what this module does where the paper leaves a choice):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -195,10 +196,8 @@ class _Runner:
             raise AssertionError(f"{self.name}: nothing new to process")
         cache_len = self.seen
         t0 = time.perf_counter()
-        if self.small_batch_linear and cache_len > 0 and chunk.shape[1] > 1:  # a catch-up forward
-            with SmallBatchLinear():
-                out = self.model(input_ids=chunk, cache=self.cache, use_cache=True, logits_to_keep=1)
-        else:
+        catch_up = self.small_batch_linear and cache_len > 0 and chunk.shape[1] > 1
+        with SmallBatchLinear() if catch_up else contextlib.nullcontext():
             out = self.model(input_ids=chunk, cache=self.cache, use_cache=True, logits_to_keep=1)
         dt = time.perf_counter() - t0
         self.seen = seq.shape[1]
