@@ -196,7 +196,8 @@ def test_eos_stops_and_max_new_tokens_zero():
     first = full[0, ids.shape[1] :].tolist().index(eos)
     out = generate(slm, llm, ids, tau=1.0, max_new_tokens=12, eos_token_id=eos)
     assert out.tolist() == full[:, : ids.shape[1] + first + 1].tolist()
-    assert generate(slm, llm, ids, tau=0.5, max_new_tokens=0).tolist() == ids.tolist()
+    with pytest.raises(RiverError, match="max_new_tokens"):  # generate refuses 0 too (GenerationConfig.validate)
+        generate(slm, llm, ids, tau=0.5, max_new_tokens=0)
 
 
 def test_left_padding_in_attention_mask_is_dropped():
@@ -211,8 +212,12 @@ def test_left_padding_in_attention_mask_is_dropped():
 
 def test_bad_inputs_raise_river_error():
     slm, llm = tiny_qwen(32, 2, V, seed=1), tiny_qwen(64, 3, V, seed=2)
-    with pytest.raises(RiverError, match="one sequence at a time"):
+    with pytest.raises(RiverError, match="batches are not supported.*at its own positions.*once per prompt"):
         generate(slm, llm, torch.ones(2, 4, dtype=torch.long), tau=0.1, max_new_tokens=2)
+    with pytest.raises(RiverError, match="attention_mask has shape"):
+        generate(slm, llm, _prompt(), attention_mask=torch.ones(1, 3, dtype=torch.long), tau=0.1, max_new_tokens=2)
+    with pytest.raises(RiverError, match="LongTensor of shape"):
+        generate(slm, llm, _prompt()[0], tau=0.1, max_new_tokens=2)
     with pytest.raises(RiverError, match="empty"):
         generate(slm, llm, torch.ones(1, 0, dtype=torch.long), tau=0.1, max_new_tokens=2)
     with pytest.raises(RiverError, match="beam"):

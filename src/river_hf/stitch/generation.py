@@ -25,15 +25,23 @@ Implementation notes (what this module does where the paper leaves a choice):
   ``cache length == tokens the model has seen`` after every forward.
 - Exactness switches: τ < 0 never accepts an SLM token (H ≥ 0 > τ), so the SLM is not run at all
   and the result is the LLM's own decoding; τ ≥ 1 always accepts (H ≤ 1), so it is the SLM's.
-- Catch-up forwards (a few tokens on top of a non-empty cache) run under
-  :class:`~river_hf.kernels.SmallBatchLinear` by default: on CPU in fp32, torch's stock ``F.linear``
-  makes a 2-4-token forward cost as much as 2-2.9 one-token steps, which taxes every hand-over; the
-  mode computes those products in the faster orientation (same result up to fp32 summation
-  order). The first prefill of each model and every one-token step use the stock path, so the
-  exactness switches still match ``generate`` token for token. ``small_batch_linear=False`` turns
-  it off.
-- Batch size 1 only (each sequence switches models at its own positions); a larger batch raises
-  :class:`~river_hf.errors.RiverError`.
+- Catch-up forwards (a few tokens on top of a non-empty cache) of a model whose weights are float32
+  on the CPU run under :class:`~river_hf.kernels.SmallBatchLinear` by default: there, torch's stock
+  ``F.linear`` makes a 2-4-token forward cost as much as 2-2.9 one-token steps, which taxes every
+  hand-over; the mode computes those products in the faster orientation (same result up to fp32
+  summation order). bf16/fp16 weights and GPUs show no such gap, so the mode is not entered there
+  (it would reroute nothing and only add its Python dispatch). The first prefill of each model and
+  every one-token step use the stock path, so the exactness switches still match ``generate``
+  token for token. ``small_batch_linear=False`` turns it off.
+- Generation settings: prepared by transformers' own ``GenerationMixin`` steps with the LLM's
+  generation config as the base (see :func:`generate`), so a field ``llm.generate`` honours is
+  honoured here, or refused by name. The processors act on the first ``V`` logit columns (the
+  cut above).
+- Batch size 1 only, by design: each sequence switches models at its own positions, so in a batch
+  some rows would need the SLM and others the LLM at the same step, with per-row cache lengths that
+  ``DynamicCache.crop`` (whole-batch) cannot keep; running both models on every row would give up
+  the saving R-Stitch is for. A larger batch raises :class:`~river_hf.errors.RiverError`.
+- The call's :class:`StitchStats` are returned (``StitchOutput.stats``); the models are not modified.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import GenerationMode
 from transformers.utils import ModelOutput
 
 from ..errors import RiverError
@@ -179,13 +188,20 @@ def check_pair(slm, llm, slm_tokenizer=None, llm_tokenizer=None) -> None:
             )
 
 
+def _small_batch_linear_helps(model) -> bool:
+    """True where :class:`~river_hf.kernels.SmallBatchLinear` can change anything: a model whose
+    weights are float32 on the CPU. Elsewhere (bf16/fp16, a GPU) the mode reroutes nothing and would
+    only add its Python dispatch to every torch call of the forward."""
+    return model.device.type == "cpu" and model.dtype == torch.float32
+
+
 class _Runner:
     """One model with its own KV cache; ``step(seq)`` catches up on ``seq`` and returns the logits
     of the next position."""
 
     def __init__(self, name: str, model, stats: StitchStats, small_batch_linear: bool = True):
         self.name, self.model, self.stats = name, model, stats
-        self.small_batch_linear = small_batch_linear
+        self.small_batch_linear = small_batch_linear and _small_batch_linear_helps(model)
         self.cache = DynamicCache(config=model.config)
         self.seen = 0  # tokens of the running sequence in the cache
 
@@ -215,14 +231,42 @@ class _Runner:
         return out.logits[:, -1, :].to(dtype=torch.float32)
 
 
-def _as_id_set(eos) -> set:
-    if eos is None:
-        return set()
-    if isinstance(eos, torch.Tensor):
-        return set(eos.flatten().tolist())
-    if isinstance(eos, int):
-        return {eos}
-    return set(eos)
+# GenerationConfig fields that make llm.generate leave greedy search / sampling
+_MODE_FIELDS = ("num_beams", "num_beam_groups", "constraints", "force_words_ids", "penalty_alpha", "dola_layers",
+                "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+
+def _refuse_unsupported(cfg: GenerationConfig) -> None:
+    """Raise RiverError naming the first GenerationConfig setting that ``llm.generate`` would act on
+    but R-Stitch cannot. Every other field is honoured through transformers' own processors and
+    stopping criteria, or (``use_cache``, ``compile_config``, beam-only fields) changes nothing for
+    greedy search / sampling with a dynamic cache in ``generate`` either."""
+    mode = cfg.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        default = GenerationConfig()
+        culprits = [f for f in _MODE_FIELDS if getattr(cfg, f, None) != getattr(default, f, None)
+                    and not (f in ("num_beams", "num_beam_groups") and getattr(cfg, f) in (None, 1))]
+        raise RiverError(
+            f"R-Stitch decodes by greedy search or sampling (num_beams=1); {', '.join(culprits) or 'these settings'} "
+            f"select {mode.value} instead: drop {'it' if len(culprits) == 1 else 'them'}"
+        )
+    refused = [
+        ("num_return_sequences", cfg.num_return_sequences not in (None, 1),
+         "it returns one sequence per call: call it once per sample (with sampling, each call draws anew)"),
+        ("guidance_scale", cfg.guidance_scale not in (None, 1), "it has no classifier-free guidance: drop it"),
+        ("watermarking_config", cfg.watermarking_config is not None, "it has no watermarking: drop it"),
+        ("token_healing", bool(cfg.token_healing), "it does not heal the prompt's last token: drop it"),
+        ("cache_implementation", cfg.cache_implementation is not None,
+         "each model keeps its own DynamicCache (cropped at every hand-over): drop it"),
+        ("prefill_chunk_size", cfg.prefill_chunk_size is not None, "it prefills the prompt in one forward: drop it"),
+    ]
+    if cfg.return_dict_in_generate:
+        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+            refused.append((name, bool(getattr(cfg, name)),
+                            "its output carries sources, entropies and stats, not per-step tensors: drop it"))
+    for name, is_set, why in refused:
+        if is_set:
+            raise RiverError(f"R-Stitch does not support {name}={getattr(cfg, name)!r}: {why}")
 
 
 @torch.no_grad()
@@ -238,6 +282,8 @@ def generate(
     generation_config: GenerationConfig | None = None,
     logits_processor: LogitsProcessorList | None = None,
     stopping_criteria: StoppingCriteriaList | None = None,
+    prefix_allowed_tokens_fn=None,
+    streamer=None,
     return_dict_in_generate: bool | None = None,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -247,6 +293,15 @@ def generate(
 ) -> torch.LongTensor | StitchOutput:
     """Decode with R-Stitch: the SLM writes the tokens it is sure of, the LLM the others.
 
+    Generation settings are prepared exactly as ``llm.generate`` prepares them (transformers 5.24
+    ``GenerationMixin``: ``_prepare_generation_config``, ``_prepare_special_tokens``,
+    ``_prepare_generated_length``, ``_get_logits_processor``, ``_get_stopping_criteria``), with the
+    LLM's generation config as the base. So ``max_length`` / ``max_new_tokens``, ``min_length`` /
+    ``min_new_tokens``, ``max_time``, ``stop_strings``, EOS ids, ``bad_words_ids``,
+    ``exponential_decay_length_penalty``, repetition penalties, forced BOS/EOS, suppressed tokens,
+    ``do_sample`` with its warpers (temperature, top-k/p, min-p, typical, ...) act on both models'
+    tokens as in ``generate``; a setting R-Stitch cannot honour raises :class:`RiverError` naming it.
+
     Args:
         slm: small causal LM (``PreTrainedModel`` with ``generate``), leads at the first position.
         llm: large causal LM sharing the SLM's tokenizer.
@@ -254,89 +309,142 @@ def generate(
         tau: normalized-entropy threshold τ. SLM token kept iff its H ≤ τ; the LLM keeps leading
             while its H > τ. ``tau < 0``: LLM only; ``tau >= 1``: SLM only (exactness switches).
         attention_mask: ``[1, prompt_len]`` of 0/1; padded (0) positions are dropped from the
-            prompt the models see (batch 1 needs no padding), the returned ``sequences`` keep them.
-        max_new_tokens: new-token budget (default: the LLM generation config's).
-        eos_token_id: id or ids that end generation (default: the LLM generation config's).
-        generation_config: a ``GenerationConfig``; together with ``generation_kwargs`` (``do_sample``,
-            ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ...) it builds the same
-            ``LogitsProcessorList`` as ``llm.generate`` (transformers' own ``_get_logits_processor``).
-        logits_processor: extra processors appended to those, as in ``generate``.
-        stopping_criteria: extra ``StoppingCriteriaList`` checked after every token.
-        return_dict_in_generate: return a :class:`StitchOutput` instead of the sequences tensor.
+            prompt the models see (batch 1 needs no padding). Processors, stopping criteria, the
+            streamer and the returned ``sequences`` see ``input_ids`` with its padding, as in
+            ``generate`` (so ``max_length`` / ``min_length`` count the padding there too).
+        max_new_tokens / eos_token_id / return_dict_in_generate: as in ``generate`` (shorthands for
+            the ``GenerationConfig`` fields; defaults from the LLM's generation config).
+        generation_config: a ``GenerationConfig``; together with ``generation_kwargs`` (any of its
+            fields: ``do_sample``, ``temperature``, ``min_new_tokens``, ``stop_strings``, ...).
+        logits_processor / stopping_criteria: extra processors / criteria merged with the prepared
+            ones as in ``generate`` (a user object of a prepared type replaces it).
+        prefix_allowed_tokens_fn: as in ``generate`` (``fn(batch_id, input_ids) -> list[int]``).
+        streamer: a transformers ``BaseStreamer`` (``TextStreamer``, ``TextIteratorStreamer``):
+            ``put(input_ids)`` once, then ``put`` of each kept token (``LongTensor [1]``) as soon as
+            it is accepted, then ``end()``, the calls ``generate`` makes.
         tokenizer / assistant_tokenizer: the LLM's / SLM's tokenizer; when both are given the pair is
-            checked (:func:`check_pair`), and ``len(tokenizer)`` sets the shared vocabulary size.
+            checked (:func:`check_pair`), ``len(tokenizer)`` sets the shared vocabulary size, and
+            ``tokenizer`` is the one ``stop_strings`` need (as in ``generate``).
         vocab_size: shared vocabulary size V (overrides the rule in :func:`shared_vocab_size`).
-        small_batch_linear: run catch-up forwards under :class:`~river_hf.kernels.SmallBatchLinear`
-            (fp32 CPU only has an effect; see the module notes).
+        small_batch_linear: run catch-up forwards under :class:`~river_hf.kernels.SmallBatchLinear`;
+            entered only for a model whose weights are float32 on the CPU (the only case the mode
+            changes; see the module notes).
 
     Returns:
-        ``LongTensor [1, prompt_len + new_tokens]``, or a :class:`StitchOutput`. Either way the call's
-        :class:`StitchStats` is also left in ``llm.stitch_stats``.
+        ``LongTensor [1, prompt_len + new_tokens]`` (``input_ids`` followed by the new tokens), or
+        with ``return_dict_in_generate`` a :class:`StitchOutput` whose ``stats`` is the call's
+        :class:`StitchStats` (the models are not modified).
 
     Raises:
-        RiverError: batch size > 1, an empty prompt, τ = NaN, a negative budget, beam search, an argument that
-            is neither listed here nor a ``GenerationConfig`` field, or a pair that does not share a
-            tokenizer.
+        RiverError: batch size > 1 (see the module notes), an attention mask of another shape, an
+            empty prompt, τ = NaN, invalid or unsupported generation settings (beam search,
+            ``num_return_sequences`` > 1, guidance, watermarking, a static cache, per-step output
+            tensors, ...), ``stop_strings`` without ``tokenizer``, a prompt already at
+            ``max_length``, an argument that is neither listed here nor a ``GenerationConfig``
+            field, or a pair that does not share a tokenizer.
     """
     t_start = time.perf_counter()
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise RiverError("input_ids must be a LongTensor of shape [1, prompt_len] (as tokenizer(..., return_tensors='pt') gives)")
+    if input_ids.shape[0] != 1:
         raise RiverError(
-            f"R-Stitch decodes one sequence at a time (got input_ids of shape {tuple(input_ids.shape)}); "
-            "call it once per prompt"
+            f"R-Stitch decodes one sequence at a time, batches are not supported (got input_ids of shape "
+            f"{tuple(input_ids.shape)}): each sequence hands over between the SLM and the LLM at its own "
+            "positions, so the rows of a batch would need different models, and caches of different lengths, "
+            "at the same step; call it once per prompt"
         )
     if input_ids.shape[1] == 0:
         raise RiverError("the prompt is empty: pass at least one token")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise RiverError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}: "
+            "pass the mask the tokenizer returned with these ids"
+        )
     if tau != tau:
         raise RiverError("tau must be a number (e.g. 0.02; < 0 = LLM only, >= 1 = SLM only), got NaN")
     check_pair(slm, llm, assistant_tokenizer, tokenizer)
     V = int(vocab_size) if vocab_size is not None else shared_vocab_size(slm, llm, tokenizer)
 
-    gen_cfg, unused = llm._prepare_generation_config(generation_config, **generation_kwargs)
+    # -- generation settings, prepared by transformers' own GenerationMixin steps (generate, steps 1-8)
+    for name, value in (("max_new_tokens", max_new_tokens), ("eos_token_id", eos_token_id),
+                        ("return_dict_in_generate", return_dict_in_generate)):
+        if value is not None:
+            generation_kwargs[name] = value
+    has_default = {
+        f: generation_kwargs.get(f) is None
+        and (generation_config is None or getattr(generation_config, f) is None)
+        and getattr(llm.generation_config, f) is None
+        for f in ("max_length", "min_length")
+    }
+    try:
+        gen_cfg, unused = llm._prepare_generation_config(generation_config, **generation_kwargs)
+    except ValueError as e:  # GenerationConfig.validate: e.g. max_new_tokens <= 0
+        raise RiverError(f"invalid generation settings: {e}") from e
+    for name in ("output_attentions", "output_hidden_states"):  # refused by name below where they would act
+        unused.pop(name, None)
     if unused:
         raise RiverError(
             f"R-Stitch does not take {', '.join(sorted(unused))}: pass generation settings "
             "(do_sample, temperature, top_k, top_p, ...) or a GenerationConfig"
         )
-    if max_new_tokens is None:
-        max_new_tokens = gen_cfg.max_new_tokens if gen_cfg.max_new_tokens is not None else 20
-    if max_new_tokens < 0:
-        raise RiverError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    eos = _as_id_set(eos_token_id if eos_token_id is not None else gen_cfg.eos_token_id)
-    if return_dict_in_generate is None:
-        return_dict_in_generate = bool(gen_cfg.return_dict_in_generate)
-    if gen_cfg.num_beams not in (None, 1):
-        raise RiverError("R-Stitch does not do beam search: use num_beams=1 (greedy or sampling)")
+    _refuse_unsupported(gen_cfg)
 
-    prompt = input_ids
-    if attention_mask is not None:
-        keep = attention_mask[0].bool()
-        if not bool(keep.all()):
-            prompt = input_ids[:, keep]
+    n_in = input_ids.shape[1]
+    prompt = input_ids  # what the models see: the prompt without its padding
+    model_kwargs = {}
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        prompt = input_ids[:, attention_mask[0].bool()]
+        if prompt.shape[1] == 0:
+            raise RiverError("the attention mask masks every prompt token: pass at least one unmasked token")
+        model_kwargs["attention_mask"] = attention_mask  # RepetitionPenalty skips the padding, as in generate
+    llm._prepare_special_tokens(gen_cfg, attention_mask is not None, device=input_ids.device, batch_size=1)
+    gen_cfg = llm._prepare_generated_length(
+        generation_config=gen_cfg,
+        has_default_max_length=has_default["max_length"],
+        has_default_min_length=has_default["min_length"],
+        model_input_name="input_ids",
+        input_ids_length=n_in,
+        inputs_tensor=input_ids,
+    )
+    try:
+        llm._validate_generated_length(gen_cfg, n_in, has_default["max_length"])
+    except ValueError as e:  # the prompt is already max_length long
+        raise RiverError(str(e)) from e
     processors = llm._get_logits_processor(
         generation_config=gen_cfg,
-        input_ids_seq_length=prompt.shape[1],
-        encoder_input_ids=prompt,
+        input_ids_seq_length=n_in,
+        encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
         logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
-        device=prompt.device,
-        model_kwargs={},
+        device=input_ids.device,
+        model_kwargs=model_kwargs,
+    )
+    if gen_cfg.stop_strings is not None and tokenizer is None:
+        raise RiverError("stop_strings need the tokenizer to match strings: pass tokenizer= (the LLM's), as generate asks")
+    criteria = llm._get_stopping_criteria(
+        generation_config=gen_cfg,
+        stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
+        tokenizer=tokenizer,
     )
     do_sample = bool(gen_cfg.do_sample)
-    criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
 
+    # -- decoding (R-Stitch Sec. 3)
     stats = StitchStats()
     runners = {SLM: _Runner("slm", slm, stats, small_batch_linear), LLM: _Runner("llm", llm, stats, small_batch_linear)}
-    seq = prompt
+    seq, full = prompt, input_ids  # the models' sequence; generate's input_ids (with the padding)
     sources: list[int] = []
     entropies: list[float] = []
     active = LLM if tau < 0 else SLM  # τ < 0 would discard every SLM token: do not run the SLM
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
 
     def choose(logits: torch.Tensor) -> torch.LongTensor:
-        scores = processors(seq, logits[:, :V])
+        scores = processors(full, logits[:, :V])
         if do_sample:
             return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)
         return scores.argmax(dim=-1, keepdim=True)
 
-    while len(sources) < max_new_tokens:
+    while True:
         if active == SLM:
             logits = runners[SLM].step(seq)
             h = float(normalized_entropy(logits[:, :V])[0])
@@ -354,21 +462,23 @@ def generate(
             if h <= tau:  # confident again: the SLM takes the next position
                 active = SLM
                 stats.handovers += 1
-        seq = torch.cat([seq, token.to(seq.dtype)], dim=1)
+        token = token.to(seq.dtype)
+        seq = torch.cat([seq, token], dim=1)
+        full = torch.cat([full, token], dim=1)
         sources.append(src)
         entropies.append(h)
-        if int(token) in eos:
+        if streamer is not None:
+            streamer.put(token[:, 0].cpu())
+        if bool(criteria(full, None).any()):  # max_length, max_time, stop_strings, EOS, the user's
             break
-        if len(criteria) and bool(criteria(seq, None).any()):
-            break
+    if streamer is not None:
+        streamer.end()
 
-    sequences = torch.cat([input_ids, seq[:, prompt.shape[1] :]], dim=1)
     stats.seconds = time.perf_counter() - t_start
-    llm.stitch_stats = stats
-    if not return_dict_in_generate:
-        return sequences
+    if not gen_cfg.return_dict_in_generate:
+        return full
     return StitchOutput(
-        sequences=sequences,
+        sequences=full,
         sources=torch.tensor([sources], dtype=torch.long, device=input_ids.device),
         entropies=torch.tensor([entropies], dtype=torch.float32, device=input_ids.device),
         stats=stats,

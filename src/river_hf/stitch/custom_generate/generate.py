@@ -14,15 +14,17 @@ Usage (the LLM is the model ``generate`` is called on; the SLM is passed as ``as
 
 transformers (``GenerationMixin.generate``, step 0.a) loads ``custom_generate/generate.py`` from the
 folder, skips its own input preparation and calls ``generate(model=llm, **all_generate_arguments)``;
-this function forwards them to :func:`river_hf.stitch.generate`. Arguments R-Stitch does not
-support (``prefix_allowed_tokens_fn``, ``streamer``, ``negative_prompt_ids``) raise a ``RiverError``
-when set.
+this function forwards them to :func:`river_hf.stitch.generate` (``streamer``,
+``prefix_allowed_tokens_fn``, ``logits_processor``, ``stopping_criteria``, ``generation_config`` and
+every ``GenerationConfig`` field included). ``negative_prompt_ids`` /
+``negative_prompt_attention_mask`` (classifier-free guidance, which R-Stitch does not do) raise a
+``RiverError`` when set.
 """
 
 from river_hf.errors import RiverError
 from river_hf.stitch.generation import generate as _stitch_generate
 
-_UNSUPPORTED = ("prefix_allowed_tokens_fn", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask")
+_UNSUPPORTED = ("negative_prompt_ids", "negative_prompt_attention_mask")
 
 
 def generate(model, inputs=None, assistant_model=None, tau=None, synced_gpus=None, **kwargs):
@@ -40,7 +42,7 @@ def generate(model, inputs=None, assistant_model=None, tau=None, synced_gpus=Non
         raise RiverError("R-Stitch via custom_generate needs tau= (normalized-entropy threshold, e.g. 0.02)")
     for name in _UNSUPPORTED:
         if kwargs.pop(name, None) is not None:
-            raise RiverError(f"R-Stitch does not support {name}; drop it or use plain generate")
+            raise RiverError(f"R-Stitch does not support {name} (it has no classifier-free guidance); drop it or use plain generate")
     input_ids = kwargs.pop("input_ids", None)
     if input_ids is None:
         input_ids = inputs
