@@ -246,9 +246,10 @@ def _refuse_unsupported(cfg: GenerationConfig) -> None:
         default = GenerationConfig()
         culprits = [f for f in _MODE_FIELDS if getattr(cfg, f, None) != getattr(default, f, None)
                     and not (f in ("num_beams", "num_beam_groups") and getattr(cfg, f) in (None, 1))]
+        one = len(culprits) == 1
         raise RiverError(
             f"R-Stitch decodes by greedy search or sampling (num_beams=1); {', '.join(culprits) or 'these settings'} "
-            f"select {mode.value} instead: drop {'it' if len(culprits) == 1 else 'them'}"
+            f"select{'s' if one else ''} {mode.value} instead: drop {'it' if one else 'them'}"
         )
     refused = [
         ("num_return_sequences", cfg.num_return_sequences not in (None, 1),
