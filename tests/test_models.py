@@ -199,7 +199,8 @@ HUB_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
 def test_hub_id_without_hub_is_one_clear_error_naming_the_key(monkeypatch):
     monkeypatch.setattr(models, "_hub_unreachable", lambda repo_id: "test: no network")
-    with pytest.raises(RiverError, match=r"Hub is not reachable \(test: no network\).*use the key 'qwen2.5-coder-0.5b'"):
+    expected = r"Hub is not reachable \(test: no network\).*use the key 'qwen2.5-coder-0.5b'"
+    with pytest.raises(RiverError, match=expected):
         models.resolve(HUB_ID, progress=False)
     with pytest.raises(RiverError, match="use a model key"):
         models.resolve("someone/not-in-the-registry", progress=False)

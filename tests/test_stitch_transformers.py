@@ -113,8 +113,9 @@ def test_stop_strings_need_and_use_the_tokenizer():
     for tau, model in ((-1.0, llm), (1.0, slm)):
         path = _path(model, ids)
         # the first later token that is one printable ASCII character (other bytes are UTF-8 fragments)
-        k = next(i for i in range(1, N) if tok.decode(path[i : i + 1]).isascii() and tok.decode(path[i : i + 1]).isprintable())
-        stop = tok.decode(path[k : k + 1])
+        text = [tok.decode([t]) for t in path]
+        k = next(i for i in range(1, N) if text[i].isascii() and text[i].isprintable())
+        stop = text[k]
         ref = model.generate(ids, max_new_tokens=N, stop_strings=stop, tokenizer=tok, do_sample=False, pad_token_id=0)
         assert ref.shape[1] - ids.shape[1] <= k + 1 < N  # the stop string does end generate early
         out = generate(slm, llm, ids, tau=tau, max_new_tokens=N, stop_strings=stop, tokenizer=tok)

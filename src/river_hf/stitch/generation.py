@@ -346,7 +346,9 @@ def generate(
     """
     t_start = time.perf_counter()
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise RiverError("input_ids must be a LongTensor of shape [1, prompt_len] (as tokenizer(..., return_tensors='pt') gives)")
+        raise RiverError(
+            "input_ids must be a LongTensor of shape [1, prompt_len] (as tokenizer(..., return_tensors='pt') gives)"
+        )
     if input_ids.shape[0] != 1:
         raise RiverError(
             f"R-Stitch decodes one sequence at a time, batches are not supported (got input_ids of shape "
@@ -421,7 +423,9 @@ def generate(
         model_kwargs=model_kwargs,
     )
     if gen_cfg.stop_strings is not None and tokenizer is None:
-        raise RiverError("stop_strings need the tokenizer to match strings: pass tokenizer= (the LLM's), as generate asks")
+        raise RiverError(
+            "stop_strings need the tokenizer to match strings: pass tokenizer= (the LLM's), as generate asks"
+        )
     criteria = llm._get_stopping_criteria(
         generation_config=gen_cfg,
         stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),

@@ -42,7 +42,9 @@ def generate(model, inputs=None, assistant_model=None, tau=None, synced_gpus=Non
         raise RiverError("R-Stitch via custom_generate needs tau= (normalized-entropy threshold, e.g. 0.02)")
     for name in _UNSUPPORTED:
         if kwargs.pop(name, None) is not None:
-            raise RiverError(f"R-Stitch does not support {name} (it has no classifier-free guidance); drop it or use plain generate")
+            raise RiverError(
+                f"R-Stitch does not support {name} (it has no classifier-free guidance); drop it or use plain generate"
+            )
     input_ids = kwargs.pop("input_ids", None)
     if input_ids is None:
         input_ids = inputs
