@@ -254,3 +254,15 @@ def test_auto_classes_round_trip(layout, tmp_path):
     with torch.inference_mode():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
         assert model(input_ids=ids).logits.shape == (1, 6, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_before_next_step_is_a_clear_error(models, layout):
+    """Calling the model inside attach_cache before the first next_step() names the missing call."""
+    model = models[layout]
+    ids, _ = _prompts(False)
+    with torch.inference_mode(), attach_cache(model, DLLMCacheConfig(), ids.shape[1] - 4, None) as fc:
+        with pytest.raises(RiverError, match=r"next_step\(\)"):
+            model(input_ids=ids)
+        fc.next_step()
+        assert model(input_ids=ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)

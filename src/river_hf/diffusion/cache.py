@@ -118,7 +118,10 @@ class FeatureCache:
         config: the :class:`DLLMCacheConfig`.
         prompt_length: P, the first P positions are the prompt (padding included).
         key_mask: ``[B, T]`` bool, True for real tokens, or None when nothing is padded.
-        step: index of the denoising step (model forward) in flight, starting at 0.
+        step: index of the denoising step (model forward) in flight: -1 until the first
+            :meth:`next_step`, then 0, 1, ...
+        refresh_prompt, refresh_response: whether the step in flight refreshes prompt / response
+            features (set by :meth:`next_step`).
         layers: per-layer :class:`LayerFeatures`.
         layer_flops: layer FLOPs actually spent (all sequences), counted per call.
         layer_flops_full: layer FLOPs an uncached forward would have spent on the same calls.
@@ -129,6 +132,8 @@ class FeatureCache:
     prompt_length: int
     key_mask: torch.Tensor | None = None
     step: int = -1
+    refresh_prompt: bool = False
+    refresh_response: bool = False
     layers: dict[int, LayerFeatures] = field(default_factory=dict)
     layer_flops: int = 0
     layer_flops_full: int = 0
@@ -136,7 +141,7 @@ class FeatureCache:
     refresh_counts: dict[str, int] = field(default_factory=lambda: {"full": 0, "prompt": 0, "response": 0, "verify": 0})
 
     def next_step(self) -> None:
-        """Advance the step counter; call once before each model forward."""
+        """Advance the step counter; call once before each model forward (the first call starts step 0)."""
         self.step += 1
         self.refresh_prompt = self.step % self.config.prompt_interval == 0
         self.refresh_response = self.step % self.config.response_interval == 0
@@ -144,6 +149,16 @@ class FeatureCache:
             "response" if self.refresh_response else "verify"
         )
         self.refresh_counts[kind] += 1
+
+    def require_step(self) -> None:
+        """Raise unless :meth:`next_step` has started a step.
+
+        Raises:
+            RiverError: the model was called inside :func:`attach_cache` before the first ``next_step()``.
+        """
+        if self.step < 0:
+            raise RiverError("dLLM-Cache: call FeatureCache.next_step() before each model forward "
+                             "(the step counter has not started)")  # fmt: skip
 
 
 class CachedLayer(nn.Module):
@@ -204,6 +219,7 @@ class CachedLayer(nn.Module):
     # ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         fc, ad = self.cache, self.adapter
+        fc.require_step()
         if fc.refresh_prompt and fc.refresh_response:
             return self._full(args, kwargs)
         x = ad.hidden_states(args, kwargs)
