@@ -103,6 +103,40 @@ def test_every_branch_reproduces_full_forward_on_unchanged_input(models, layout)
     assert set(kinds) == {(True, True), (False, False), (True, False), (False, True)}
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_buffers_hold_rotated_keys_and_are_written_in_place(models, layout, monkeypatch):
+    """Each layer keeps one buffer per feature over all positions, written in place across steps of
+    every kind, and the K buffer holds the keys *after* rotary: the very keys the model's own
+    attention receives (recorded from its scaled_dot_product_attention call)."""
+    import torch.nn.functional as F
+
+    model = models[layout]
+    ids, mask = _prompts(True)
+    b = ids.shape[0]
+    x = torch.cat([ids, torch.full((b, 6), model.config.mask_token_id)], 1)
+    full_mask = torch.cat([mask, torch.ones(b, 6, dtype=mask.dtype)], 1)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, *a, **kw: seen.append(k) or sdpa(q, k, *a, **kw))
+    with torch.inference_mode():
+        model(input_ids=x, attention_mask=full_mask)
+        model_keys = list(seen)  # [B, heads, T, D] per layer (KV heads possibly repeated for GQA)
+        with attach_cache(model, DLLMCacheConfig(2, 3, 0.5), ids.shape[1], full_mask.bool()) as fc:
+            fc.next_step()
+            model(input_ids=x, attention_mask=full_mask)
+            buffers = {i: (st, [t.data_ptr() for t in (st.k, st.v, st.attn, st.ffn)]) for i, st in fc.layers.items()}
+            for _ in range(5):  # verify, prompt, response, prompt, verify
+                fc.next_step()
+                model(input_ids=x, attention_mask=full_mask)
+    assert fc.refresh_counts == {"full": 1, "prompt": 2, "response": 1, "verify": 2}
+    assert len(buffers) == len(model_keys)
+    for i, (st, ptrs) in buffers.items():
+        assert fc.layers[i] is st and [t.data_ptr() for t in (st.k, st.v, st.attn, st.ffn)] == ptrs
+        assert st.k.shape == (b, x.shape[1], st.k.shape[2], st.k.shape[3])
+        keys = model_keys[i][:, :: model_keys[i].shape[1] // st.k.shape[2]]
+        torch.testing.assert_close(st.k.transpose(1, 2), keys, rtol=1e-5, atol=1e-5)
+
+
 def test_v_verify_selection_unit():
     """The rho fraction with the lowest cosine similarity between fresh and cached V is selected."""
     torch.manual_seed(0)
