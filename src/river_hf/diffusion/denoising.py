@@ -25,6 +25,7 @@ predicted; [MASK] tokens inside the prompt stay as they are (the prompt is condi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 
@@ -144,82 +145,98 @@ def generate(
     """
     _check(input_ids, attention_mask, steps, gen_length, block_length, temperature, remasking, cache)
     device = next(model.parameters()).device
-    input_ids = input_ids.to(device)
     b, p = input_ids.shape
-    t_total = p + gen_length
     if shift_logits is None:
         cfg = getattr(model, "config", None)
         shift_logits = bool(getattr(cfg, "shift_logits", False)) or getattr(cfg, "model_type", "") == "dream"
-
-    x = torch.full((b, t_total), mask_id, dtype=torch.long, device=device)
-    x[:, :p] = input_ids
-    full_mask = None
-    if attention_mask is not None and not bool(attention_mask.all()):
-        full_mask = torch.cat([attention_mask.to(device).long(), torch.ones(b, gen_length, dtype=torch.long, device=device)], 1)
-    key_mask = None if full_mask is None else full_mask.bool()
-
+    x, full_mask = _initial_sequence(input_ids.to(device), attention_mask, gen_length, mask_id)
     num_blocks = gen_length // block_length
     steps_per_block = steps // num_blocks
     run_blocks = num_blocks if max_blocks is None else max(0, min(num_blocks, int(max_blocks)))
     use_keep = _accepts(model, "logits_to_keep")
 
-    ctx = attach_cache(model, cache, p, key_mask) if cache is not None else None
-    fc = ctx.__enter__() if ctx is not None else None
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    with contextlib.ExitStack() as stack:
+        fc = None
+        if cache is not None:
+            key_mask = None if full_mask is None else full_mask.bool()
+            fc = stack.enter_context(attach_cache(model, cache, p, key_mask))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=run_blocks * steps_per_block, desc="denoising" + (" (dLLM-Cache)" if cache else ""), unit="step")
-    t0 = time.perf_counter()
-    try:
+            desc = "denoising" + (" (dLLM-Cache)" if cache else "")
+            bar = stack.enter_context(tqdm(total=run_blocks * steps_per_block, desc=desc, unit="step"))
+        t0 = time.perf_counter()
         for blk in range(run_blocks):
-            lo, hi = p + blk * block_length, p + (blk + 1) * block_length
-            n_transfer = num_transfer_tokens(x[:, lo:hi] == mask_id, steps_per_block)
-            # positions whose logits predict the block (Dream: one to the left)
-            keep = torch.arange(lo, hi, device=device) - int(shift_logits)
+            lo = p + blk * block_length
+            n_transfer = num_transfer_tokens(x[:, lo : lo + block_length] == mask_id, steps_per_block)
             for i in range(steps_per_block):
                 if fc is not None:
                     fc.next_step()
-                kwargs = {"attention_mask": full_mask}
-                if use_keep:
-                    kwargs["logits_to_keep"] = keep
-                logits = model(input_ids=x, **kwargs).logits
-                if not use_keep:
-                    logits = logits[:, keep]
-                logits = logits.clone()
-                logits[..., mask_id] = float("-inf")
-                _denoise_step(x, logits, lo, hi, n_transfer[:, i], temperature, remasking, mask_id, generator)
+                logits = _block_logits(model, x, lo, lo + block_length, full_mask, shift_logits, use_keep, mask_id)
+                _denoise_step(x, logits, lo, lo + block_length, n_transfer[:, i], temperature, remasking, mask_id,
+                              generator)  # fmt: skip
                 if bar is not None:
                     bar.update(1)
         seconds = time.perf_counter() - t0
-    finally:
-        if bar is not None:
-            bar.close()
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
 
     if not return_stats:
         return x
-    steps_run = run_blocks * steps_per_block
-    per_forward = uncached_layer_flops(model, t_total)
-    full = None if per_forward is None else per_forward * b * steps_run
-    spent = fc.layer_flops if fc is not None else full
-    if fc is not None:
-        full = fc.layer_flops_full
+    return x, _stats(model, fc, b, p + gen_length, run_blocks * steps_per_block, b * run_blocks * block_length, seconds)
+
+
+def _initial_sequence(input_ids, attention_mask, gen_length, mask_id):
+    """The prompt followed by ``gen_length`` [MASK] ids, and the key padding mask over all positions.
+
+    Returns:
+        ``x`` ``[B, P + G]`` int64 and ``full_mask`` ``[B, P + G]`` int64 (1 = token, 0 = padding), or
+        None when nothing is padded.
+    """
+    b, p = input_ids.shape
+    x = torch.full((b, p + gen_length), mask_id, dtype=torch.long, device=input_ids.device)
+    x[:, :p] = input_ids
+    if attention_mask is None or bool(attention_mask.all()):
+        return x, None
+    answer = torch.ones(b, gen_length, dtype=torch.long, device=x.device)
+    return x, torch.cat([attention_mask.to(x.device).long(), answer], 1)
+
+
+def _block_logits(model, x, lo, hi, full_mask, shift_logits, use_keep, mask_id):
+    """One model forward; the logits predicting block ``[lo, hi)`` (Dream: read one position to the left),
+    ``[B, hi - lo, vocab]``, with the [MASK] id set to -inf so it is never predicted."""
+    keep = torch.arange(lo, hi, device=x.device) - int(shift_logits)
+    kwargs = {"attention_mask": full_mask}
+    if use_keep:
+        kwargs["logits_to_keep"] = keep
+    logits = model(input_ids=x, **kwargs).logits
+    if not use_keep:
+        logits = logits[:, keep]  # an index tensor: a copy, so the in-place write below is safe
+    logits[..., mask_id] = float("-inf")
+    return logits
+
+
+def _stats(model, fc, batch, tokens, steps_run, generated, seconds) -> dict:
+    """The stats dict of :func:`generate` (see its Returns)."""
+    if fc is None:
+        per_forward = uncached_layer_flops(model, tokens)
+        spent = full = None if per_forward is None else per_forward * batch * steps_run
+    else:
+        spent, full = fc.layer_flops, fc.layer_flops_full
     stats = {
         "steps": steps_run,
         "seconds": seconds,
-        "tokens_per_s": b * run_blocks * block_length / seconds if seconds > 0 else float("inf"),
+        "tokens_per_s": generated / seconds if seconds > 0 else float("inf"),
         "layer_flops": spent,
         "layer_flops_full": full,
         "flops_ratio": (full / spent) if spent else None,
     }
     if fc is not None:
+        cfg = fc.config
         stats["refresh_counts"] = dict(fc.refresh_counts)
         stats["selected_tokens"] = fc.selected
-        stats["cache"] = {"prompt_interval": cache.prompt_interval, "response_interval": cache.response_interval,
-                          "ratio": cache.ratio}  # fmt: skip
-    return x, stats
+        stats["cache"] = {"prompt_interval": cfg.prompt_interval, "response_interval": cfg.response_interval,
+                          "ratio": cfg.ratio}  # fmt: skip
+    return stats
 
 
 def _denoise_step(x, logits, lo, hi, n_transfer, temperature, remasking, mask_id, generator) -> None:
