@@ -179,7 +179,8 @@ def main(argv=None) -> int:
         name = "uncached" if s is None else f"Kp={s[0]},Kr={s[1]},rho={s[2]}"
         cache = None if s is None else DLLMCacheConfig(*s)
         c0 = time.process_time()
-        outs[name], stats[name] = generate(model, prompt, cache=cache, **kw)
+        res = generate(model, prompt, cache=cache, **kw)
+        outs[name], stats[name] = res.sequences, res.stats
         stats[name]["cpu_seconds"] = time.process_time() - c0  # less sensitive to other jobs than wall time
         print(f"{name}: {stats[name]['seconds']:.1f} s, FLOPs ratio {stats[name]['flops_ratio']:.2f}x", flush=True)
         if "uncached" in outs:  # write what is measured so far (a killed run still leaves results)

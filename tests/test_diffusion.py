@@ -52,7 +52,14 @@ KW = dict(steps=16, gen_length=16, block_length=8)
 
 
 def _gen(model, ids, mask, cache=None, **kw):
-    return generate(model, ids, mask_id=model.config.mask_token_id, attention_mask=mask, cache=cache, **{**KW, **kw})
+    """The generated sequences ``[B, P + G]``."""
+    return _gen_out(model, ids, mask, cache, **kw).sequences
+
+
+def _gen_out(model, ids, mask, cache=None, **kw):
+    """The whole :class:`DiffusionGenerationOutput` (stats included)."""
+    kw = {**KW, "return_stats": True, **kw}
+    return generate(model, ids, mask_id=model.config.mask_token_id, attention_mask=mask, cache=cache, **kw)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -75,9 +82,9 @@ def test_partial_paths_recompute_exactly(models, layout):
     model = models[layout]
     ids, mask = _prompts(True)
     ref = _gen(model, ids, mask)
-    out, stats = _gen(model, ids, mask, DLLMCacheConfig(1, 1000, 1.0), return_stats=True)
-    assert stats["refresh_counts"]["prompt"] == KW["steps"] - 1  # the decomposed path really ran
-    assert torch.equal(out, ref)
+    out = _gen_out(model, ids, mask, DLLMCacheConfig(1, 1000, 1.0))
+    assert out.stats["refresh_counts"]["prompt"] == KW["steps"] - 1  # the decomposed path really ran
+    assert torch.equal(out.sequences, ref)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -216,9 +223,9 @@ def test_cache_reduces_flops_and_restores_layers(models):
     model = models["llada"]
     ids, mask = _prompts(True)
     before = list(model.state_dict())
-    _, full = _gen(model, ids, mask, DLLMCacheConfig(1, 1, 0.25), return_stats=True)
-    _, st = _gen(model, ids, mask, DLLMCacheConfig(8, 4, 0.25), return_stats=True)
-    _, unc = _gen(model, ids, mask, return_stats=True)
+    full = _gen_out(model, ids, mask, DLLMCacheConfig(1, 1, 0.25)).stats
+    st = _gen_out(model, ids, mask, DLLMCacheConfig(8, 4, 0.25)).stats
+    unc = _gen_out(model, ids, mask).stats
     assert full["flops_ratio"] == 1.0 and full["layer_flops"] == unc["layer_flops"]
     assert st["layer_flops_full"] == unc["layer_flops"] and st["flops_ratio"] > 1.5
     assert st["refresh_counts"] == {"full": 2, "prompt": 0, "response": 2, "verify": 12}
@@ -235,6 +242,24 @@ def test_cache_reduces_flops_and_restores_layers(models):
     finally:
         hook.remove()
     assert not any(isinstance(m, CachedLayer) for m in model.modules())
+
+
+@pytest.mark.parametrize("cache", [None, DLLMCacheConfig(4, 2, 0.25)])
+def test_generate_returns_a_model_output(models, cache):
+    """generate returns a transformers ModelOutput: ``sequences`` always, ``stats`` only when asked."""
+    from transformers.utils import ModelOutput
+
+    from river_hf.diffusion import DiffusionGenerationOutput
+
+    model = models["llada"]
+    ids, mask = _prompts(True)
+    plain = _gen_out(model, ids, mask, cache, return_stats=False)
+    assert isinstance(plain, DiffusionGenerationOutput) and isinstance(plain, ModelOutput)
+    assert plain.stats is None and list(plain.keys()) == ["sequences"]
+    assert plain.sequences.dtype == torch.long and plain.sequences.shape == (3, 10 + KW["gen_length"])
+    full = _gen_out(model, ids, mask, cache)
+    assert torch.equal(full["sequences"], plain.sequences) and full.stats["steps"] == KW["steps"]
+    assert ("refresh_counts" in full.stats) == (cache is not None)
 
 
 def test_num_transfer_tokens():

@@ -130,7 +130,8 @@ def handler(args) -> int:
 
     def run(c):
         gen = torch.Generator().manual_seed(args.seed)
-        return generate(model, ids, cache=c, generator=gen, **kw)
+        res = generate(model, ids, cache=c, generator=gen, **kw)
+        return res.sequences, res.stats
 
     out, stats = run(cache)
     result = {"model": args.model, "prompt_ids": ids[0].tolist(), "tokens": out[0, ids.shape[1] :].tolist(), "stats": stats}

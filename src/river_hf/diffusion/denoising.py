@@ -28,13 +28,34 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+from dataclasses import dataclass
 
 import torch
+from transformers.utils import ModelOutput
 
 from ..errors import RiverError
 from .cache import DLLMCacheConfig, attach_cache, uncached_layer_flops
 
-__all__ = ["generate", "num_transfer_tokens"]
+__all__ = ["DiffusionGenerationOutput", "generate", "num_transfer_tokens"]
+
+
+@dataclass
+class DiffusionGenerationOutput(ModelOutput):
+    """What :func:`generate` returns (a transformers ``ModelOutput``: attribute, key and index access).
+
+    Attributes:
+        sequences: ``[B, P + G]`` int64, each prompt followed by its answer (with ``max_blocks``, the
+            answer positions of blocks not run stay [MASK]).
+        stats: with ``return_stats=True``, a dict: ``steps`` (model forwards), ``seconds`` (wall time
+            of the denoising loop), ``tokens_per_s`` (generated tokens of all rows per second),
+            ``layer_flops`` (decoder-layer FLOPs spent, None when the layout is unknown),
+            ``layer_flops_full`` (what uncached would spend), ``flops_ratio`` (full / spent), and with a
+            cache ``refresh_counts``, ``selected_tokens`` (V-verify rows, summed over layers and rows)
+            and ``cache`` (its settings). None otherwise.
+    """
+
+    sequences: torch.LongTensor | None = None
+    stats: dict | None = None
 
 
 def num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
@@ -129,16 +150,13 @@ def generate(
         shift_logits: Dream convention (see module doc); None = auto from the config.
         generator: torch generator for Gumbel noise and random remasking (None: global RNG).
         progress: show a tqdm bar over denoising steps.
-        return_stats: also return a stats dict.
+        return_stats: also fill ``stats`` (see :class:`DiffusionGenerationOutput`).
         max_blocks: stop after this many blocks (later answer positions stay [MASK]); for timing a
             long schedule on a slow machine. None = all blocks.
 
     Returns:
-        ``[B, P + G]`` int64 sequences (prompt followed by the answer); with ``return_stats``,
-        ``(sequences, stats)`` where stats has ``steps``, ``seconds``, ``tokens_per_s`` (generated
-        tokens of all rows per second), ``layer_flops`` (decoder-layer FLOPs spent, None when the
-        layout is unknown), ``layer_flops_full`` (what uncached would spend), ``flops_ratio``
-        (full / spent), and with a cache ``refresh_counts`` and ``selected_tokens`` (V-verify).
+        a :class:`DiffusionGenerationOutput`: ``.sequences`` ``[B, P + G]`` int64 (prompt followed by
+        the answer) and, with ``return_stats``, ``.stats``.
 
     Raises:
         RiverError: inconsistent lengths, bad mask, unknown remasking, unsupported layer layout.
@@ -181,8 +199,9 @@ def generate(
         seconds = time.perf_counter() - t0
 
     if not return_stats:
-        return x
-    return x, _stats(model, fc, b, p + gen_length, run_blocks * steps_per_block, b * run_blocks * block_length, seconds)
+        return DiffusionGenerationOutput(sequences=x)
+    stats = _stats(model, fc, b, p + gen_length, run_blocks * steps_per_block, b * run_blocks * block_length, seconds)
+    return DiffusionGenerationOutput(sequences=x, stats=stats)
 
 
 def _initial_sequence(input_ids, attention_mask, gen_length, mask_id):
