@@ -262,6 +262,28 @@ def test_generate_returns_a_model_output(models, cache):
     assert ("refresh_counts" in full.stats) == (cache is not None)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mask_id_defaults_to_the_models_own(layout):
+    """Without mask_id, generate uses config.mask_token_id, else generation_config.mask_token_id, and
+    raises a RiverError naming mask_id when neither has one; an id outside the vocabulary is refused."""
+    model = build_test_model(layout, "tiny", seed=1)
+    ids, mask = _prompts(True)
+    own = model.config.mask_token_id
+    explicit = _gen(model, ids, mask)  # passes mask_id=config.mask_token_id
+    default = generate(model, ids, attention_mask=mask, **KW).sequences
+    assert torch.equal(default, explicit)
+    from transformers import GenerationConfig
+
+    model.config.mask_token_id = None
+    model.generation_config = GenerationConfig(mask_token_id=own)  # where Dream keeps it
+    assert torch.equal(generate(model, ids, attention_mask=mask, **KW).sequences, explicit)
+    model.generation_config.mask_token_id = None
+    with pytest.raises(RiverError, match="pass mask_id="):
+        generate(model, ids, attention_mask=mask, **KW)
+    with pytest.raises(RiverError, match="outside the vocabulary"):
+        generate(model, ids, attention_mask=mask, mask_id=model.config.vocab_size, **KW)
+
+
 def test_num_transfer_tokens():
     mask = torch.zeros(2, 8, dtype=torch.bool)
     mask[0, :7] = True

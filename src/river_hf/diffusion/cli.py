@@ -33,7 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("--block-length", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--remasking", default="low_confidence", choices=["low_confidence", "random"])
-    p.add_argument("--mask-id", type=int, help="[MASK] token id (default: config.mask_token_id)")
+    p.add_argument("--mask-id", type=int, help="[MASK] token id (default: the model's config.mask_token_id)")
     p.add_argument("--kp", type=int, default=50, help="prompt_interval Kp (default 50)")
     p.add_argument("--kr", type=int, default=7, help="response_interval Kr (default 7)")
     p.add_argument("--ratio", type=float, default=0.25, help="V-verify ratio rho (default 0.25)")
@@ -95,12 +95,13 @@ def handler(args) -> int:
     import torch
 
     from .cache import DLLMCacheConfig
-    from .denoising import generate
+    from .denoising import generate, mask_token_id
 
     model, tok = _load(args)
-    mask_id = args.mask_id if args.mask_id is not None else getattr(model.config, "mask_token_id", None)
+    mask_id = args.mask_id if args.mask_id is not None else mask_token_id(model)
     if mask_id is None:
-        raise RiverError("the model config has no mask_token_id; pass --mask-id (LLaDA 126336, Dream 151666)")
+        raise RiverError("the model has no mask_token_id in its config or generation_config; "
+                         "pass --mask-id (LLaDA 126336, Dream 151666)")
     vocab = model.config.vocab_size
     if not 0 <= mask_id < vocab:
         raise RiverError(f"--mask-id {mask_id} is outside this model's vocabulary (0..{vocab - 1}); "

@@ -36,7 +36,7 @@ from transformers.utils import ModelOutput
 from ..errors import RiverError
 from .cache import DLLMCacheConfig, attach_cache, uncached_layer_flops
 
-__all__ = ["DiffusionGenerationOutput", "generate", "num_transfer_tokens"]
+__all__ = ["DiffusionGenerationOutput", "generate", "mask_token_id", "num_transfer_tokens"]
 
 
 @dataclass
@@ -73,6 +73,35 @@ def num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
     out = base.expand(-1, steps).clone()
     out += (torch.arange(steps, device=n.device)[None, :] < rem).long()
     return out
+
+
+def mask_token_id(model) -> int | None:
+    """The model's [MASK] token id: ``model.config.mask_token_id``, else
+    ``model.generation_config.mask_token_id`` (where Dream's remote code keeps it); None when neither has one."""
+    for cfg in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        value = getattr(cfg, "mask_token_id", None)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def _resolve_mask_id(model, mask_id: int | None) -> int:
+    """``mask_id`` or the model's own (:func:`mask_token_id`), checked against the vocabulary.
+
+    Raises:
+        RiverError: none given and none in the model's configs, or an id outside ``[0, vocab_size)``.
+    """
+    if mask_id is None:
+        mask_id = mask_token_id(model)
+        if mask_id is None:
+            raise RiverError(f"{type(model).__name__} has no mask_token_id in its config or generation_config; "
+                             "pass mask_id= (LLaDA-8B 126336, Dream-7B 151666)")  # fmt: skip
+    if isinstance(mask_id, bool) or not isinstance(mask_id, int):
+        raise RiverError(f"mask_id must be an int token id, got {mask_id!r}")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if mask_id < 0 or (isinstance(vocab, int) and mask_id >= vocab):
+        raise RiverError(f"mask_id {mask_id} is outside the vocabulary [0, {vocab}); use the model's [MASK] id")
+    return mask_id
 
 
 def _accepts(model, name: str) -> bool:
@@ -122,7 +151,7 @@ def generate(
     block_length: int,
     temperature: float = 0.0,
     remasking: str = "low_confidence",
-    mask_id: int,
+    mask_id: int | None = None,
     cache: DLLMCacheConfig | None = None,
     attention_mask: torch.Tensor | None = None,
     shift_logits: bool | None = None,
@@ -144,7 +173,8 @@ def generate(
         block_length: tokens per semi-autoregressive block.
         temperature: Gumbel-noise temperature; 0 = greedy (deterministic).
         remasking: ``"low_confidence"`` or ``"random"``.
-        mask_id: the [MASK] token id (LLaDA 126336, Dream 151666).
+        mask_id: the [MASK] token id (LLaDA 126336, Dream 151666); None = the model's own
+            (:func:`mask_token_id`: ``config.mask_token_id``, else ``generation_config.mask_token_id``).
         cache: a :class:`DLLMCacheConfig` to serve the layers through dLLM-Cache; None = uncached.
         attention_mask: ``[B, P]`` (1 = token, 0 = padding) or None.
         shift_logits: Dream convention (see module doc); None = auto from the config.
@@ -159,9 +189,11 @@ def generate(
         the answer) and, with ``return_stats``, ``.stats``.
 
     Raises:
-        RiverError: inconsistent lengths, bad mask, unknown remasking, unsupported layer layout.
+        RiverError: inconsistent lengths, bad mask, unknown remasking, unsupported layer layout, no
+            [MASK] id given or found in the model's configs, or one outside the vocabulary.
     """
     _check(input_ids, attention_mask, steps, gen_length, block_length, temperature, remasking, cache)
+    mask_id = _resolve_mask_id(model, mask_id)
     device = next(model.parameters()).device
     b, p = input_ids.shape
     if shift_logits is None:
