@@ -144,6 +144,32 @@ def test_buffers_hold_rotated_keys_and_are_written_in_place(models, layout, monk
         torch.testing.assert_close(st.k.transpose(1, 2), keys, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_small_batch_linear_option(models, layout):
+    """small_batch_linear=True: Kp = Kr = 1 stays token-exact (full refreshes never use the mode), and on
+    decomposed steps the rerouted Linear calls give the full forward's logits up to fp32 rounding."""
+    model = models[layout]
+    for batched in (False, True):
+        ids, mask = _prompts(batched)
+        out = _gen_out(model, ids, mask, DLLMCacheConfig(1, 1, 0.25, small_batch_linear=True))
+        assert torch.equal(out.sequences, _gen(model, ids, mask))
+        assert out.stats["small_batch_linear_calls"] == 0
+    ids, mask = _prompts(True)
+    x = torch.cat([ids, torch.full((3, 6), model.config.mask_token_id)], 1)
+    full_mask = torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], 1)
+    real = full_mask.bool()
+    with torch.inference_mode():
+        ref = model(input_ids=x, attention_mask=full_mask).logits
+        with attach_cache(model, DLLMCacheConfig(2, 3, 0.5, small_batch_linear=True), 10, real) as fc:
+            for _ in range(6):  # full, verify, prompt, response, prompt, verify
+                fc.next_step()
+                out = model(input_ids=x, attention_mask=full_mask).logits
+                torch.testing.assert_close(out[real], ref[real], rtol=1e-4, atol=1e-4)
+    assert fc.linear_mode.calls_rerouted > 0
+    with pytest.raises(RiverError):
+        DLLMCacheConfig(small_batch_linear="yes")
+
+
 def test_v_verify_selection_unit():
     """The rho fraction with the lowest cosine similarity between fresh and cached V is selected."""
     torch.manual_seed(0)

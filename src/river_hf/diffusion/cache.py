@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import RiverError
+from ..kernels import SmallBatchLinear
 from .adapters import LayerAdapter, find_decoder_layers
 
 __all__ = ["DLLMCacheConfig", "FeatureCache", "CachedLayer", "select_response_tokens", "attach_cache"]
@@ -50,6 +51,11 @@ class DLLMCacheConfig:
         prompt_interval: Kp, refresh prompt features every Kp denoising steps (>= 1).
         response_interval: Kr, refresh response features every Kr denoising steps (>= 1).
         ratio: rho, V-verify ratio: fraction of response tokens recomputed on other steps (0..1).
+        small_batch_linear: run the decomposed (non-full-refresh) steps under
+            :class:`river_hf.kernels.SmallBatchLinear`, which computes fp32 CPU Linear calls of 2..64
+            rows (V-verify's rho * G selected tokens) in the faster ``(W @ x.T).T`` orientation. Full
+            refresh steps never use it, so ``Kp = Kr = 1`` stays exact; elsewhere results change by fp32
+            summation order only. Off by default (see docs/diffusion.md for the measurement).
 
     Raises:
         RiverError: an interval < 1 or a ratio outside [0, 1].
@@ -58,6 +64,7 @@ class DLLMCacheConfig:
     prompt_interval: int = 50
     response_interval: int = 7
     ratio: float = 0.25
+    small_batch_linear: bool = False
 
     def __post_init__(self):
         if int(self.prompt_interval) != self.prompt_interval or self.prompt_interval < 1:
@@ -66,6 +73,8 @@ class DLLMCacheConfig:
             raise RiverError(f"response_interval (Kr) must be an integer >= 1, got {self.response_interval}")
         if not 0.0 <= float(self.ratio) <= 1.0:
             raise RiverError(f"ratio (rho) must be in [0, 1], got {self.ratio}")
+        if not isinstance(self.small_batch_linear, bool):
+            raise RiverError(f"small_batch_linear must be True or False, got {self.small_batch_linear!r}")
 
 
 def select_response_tokens(v_fresh: torch.Tensor, v_cached: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -130,6 +139,8 @@ class FeatureCache:
         layer_flops: layer FLOPs actually spent (all sequences), counted per call.
         layer_flops_full: layer FLOPs an uncached forward would have spent on the same calls.
         selected: number of response tokens recomputed by V-verify, summed over layers and rows.
+        linear_mode: the :class:`~river_hf.kernels.SmallBatchLinear` mode entered around decomposed
+            steps (``config.small_batch_linear``), else None; its ``calls_rerouted`` counts the calls.
     """
 
     config: DLLMCacheConfig
@@ -143,6 +154,11 @@ class FeatureCache:
     layer_flops_full: int = 0
     selected: int = 0
     refresh_counts: dict[str, int] = field(default_factory=lambda: {"full": 0, "prompt": 0, "response": 0, "verify": 0})
+    linear_mode: SmallBatchLinear | None = None
+
+    def __post_init__(self):
+        if self.config.small_batch_linear and self.linear_mode is None:
+            self.linear_mode = SmallBatchLinear()
 
     def next_step(self) -> None:
         """Advance the step counter; call once before each model forward (the first call starts step 0)."""
@@ -258,7 +274,8 @@ class CachedLayer(nn.Module):
         st = self._features(x)
         if st is None:
             raise RiverError("dLLM-Cache: a partial step before any full refresh (step 0 must run through the cache)")
-        out = self._partial(x, st, self._rotary(args, kwargs, x))
+        with fc.linear_mode if fc.linear_mode is not None else contextlib.nullcontext():
+            out = self._partial(x, st, self._rotary(args, kwargs, x))
         fc.layer_flops_full += x.shape[0] * self._full_cost(x.shape[1])
         return ad.pack(out, self._tuple_output)
 

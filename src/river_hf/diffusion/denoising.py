@@ -50,8 +50,9 @@ class DiffusionGenerationOutput(ModelOutput):
             of the denoising loop), ``tokens_per_s`` (generated tokens of all rows per second),
             ``layer_flops`` (decoder-layer FLOPs spent, None when the layout is unknown),
             ``layer_flops_full`` (what uncached would spend), ``flops_ratio`` (full / spent), and with a
-            cache ``refresh_counts``, ``selected_tokens`` (V-verify rows, summed over layers and rows)
-            and ``cache`` (its settings). None otherwise.
+            cache ``refresh_counts``, ``selected_tokens`` (V-verify rows, summed over layers and rows),
+            ``cache`` (its settings) and, with ``small_batch_linear``, ``small_batch_linear_calls``
+            (Linear calls it rerouted). None otherwise.
     """
 
     sequences: torch.LongTensor | None = None
@@ -286,7 +287,9 @@ def _stats(model, fc, batch, tokens, steps_run, generated, seconds) -> dict:
         stats["refresh_counts"] = dict(fc.refresh_counts)
         stats["selected_tokens"] = fc.selected
         stats["cache"] = {"prompt_interval": cfg.prompt_interval, "response_interval": cfg.response_interval,
-                          "ratio": cfg.ratio}  # fmt: skip
+                          "ratio": cfg.ratio, "small_batch_linear": cfg.small_batch_linear}  # fmt: skip
+        if fc.linear_mode is not None:
+            stats["small_batch_linear_calls"] = fc.linear_mode.calls_rerouted
     return stats
 
 
