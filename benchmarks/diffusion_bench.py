@@ -1,35 +1,53 @@
-"""dLLM-Cache speed benchmark: uncached vs cached masked-diffusion generation, side by side.
+"""dLLM-Cache speed benchmark: uncached vs cached masked-diffusion generation, repeated in alternating order.
 
-A random-weight LLaDA-layout model of about 1.1e9 parameters (``build_test_model("llada", "1b")``)
-generates ``--gen-length`` tokens after a random ``--prompt-length``-token prompt, uncached and then
-with dLLM-Cache at each ``--settings`` entry (Kp,Kr,rho), on the same model and prompt, in one
-process. Reported per run: wall seconds, speedup over uncached, generated tokens/s, weight bandwidth
-(weight bytes read per forward x forwards / s), counted decoder-layer FLOPs and their ratio to
-uncached, and token agreement with the uncached output.
+A random-weight LLaDA-layout model (``--size 1b``: about 1.1e9 parameters; ``--size 300m``: about
+0.3e9; see ``river_hf.diffusion.modeling.SIZES``) generates ``--gen-length`` tokens after a random
+``--prompt-length``-token prompt, uncached and with dLLM-Cache at each ``--settings`` entry
+(Kp,Kr,rho), on the same model and prompt, in one process.
+
+Timing: first a warm-up of every setting (two forwards each over the full sequence length), then
+``--repeats`` rounds; each round runs uncached and every cached setting once, in forward order on
+even rounds and reversed on odd ones, so a slow drift of the shared machine's load hits all
+settings alike. Reported per setting: every round's wall seconds (``seconds_runs``; the denoising
+loop only) and CPU seconds, their median and min-max spread, the median speedup over uncached with
+its range (extreme pairs: min uncached / max cached .. max uncached / min cached), the counted
+decoder-layer FLOPs ratio, the *overhead share* ``1 - wall_speedup / flops_ratio`` (the part of the
+FLOPs saving that wall time does not see), and token agreement with uncached. A comparison is
+"not resolved" when the speedup range straddles the threshold (1x for "faster", ``--target`` for
+the target), i.e. when the spreads overlap.
 
 Random weights measure speed only: agreement here says nothing about answer quality (needs real
 LLaDA/Dream weights), and a random model's near-uniform predictions make agreement pessimistic.
 
-Writes ``<out>.json``, ``<out>.png`` and ``<out>.md`` (with the exact command), each via a temp file
-and ``os.replace``.
+Writes ``<out>.json``, ``<out>.png`` and ``<out>.md`` (with the exact command) after every round,
+each atomically, so a stopped run leaves the rounds it finished.
 
-    PYTHONPATH=src python benchmarks/diffusion_bench.py --out docs/results/diffusion_llada1b_cpu
+    PYTHONPATH=src python benchmarks/diffusion_bench.py                       # 1b, prompt 128
+    PYTHONPATH=src python benchmarks/diffusion_bench.py --size 300m
+    PYTHONPATH=src python benchmarks/diffusion_bench.py --prompt-length 1024  # long prompt
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 
 import torch
 
+from river_hf.eval.common import atomic_write
+
+DEFAULT_SETTINGS = "50,7,0.25;100,8,0.1;25,5,0.25"
+
 
 def parse_settings(text: str) -> list[tuple[int, int, float]]:
+    """``"Kp,Kr,rho;..."`` -> ``[(Kp, Kr, rho), ...]``."""
     out = []
     for part in text.split(";"):
         kp, kr, rho = part.split(",")
@@ -37,81 +55,142 @@ def parse_settings(text: str) -> list[tuple[int, int, float]]:
     return out
 
 
-def _write(path: str, data: bytes | str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def setting_name(s: tuple[int, int, float] | None) -> str:
+    return "uncached" if s is None else f"Kp={s[0]},Kr={s[1]},rho={s[2]}"
 
 
-def write_results(args, model, outs, stats, settings, n_params, weight_bytes) -> None:
-    """Write <out>.json/.png/.md for the runs finished so far (each via a temp file + os.replace)."""
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def verdict(lo: float, hi: float, threshold: float) -> str:
+    """``"yes"`` when the whole range is >= threshold, ``"no"`` when below, else ``"not resolved"``."""
+    return "yes" if lo >= threshold else "no" if hi < threshold else "not resolved"
+
+
+def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args) -> list[dict]:
+    """Per-setting summary of the rounds so far (``runs[name]`` = one stats dict per round)."""
+    p = args.prompt_length
     ref = outs["uncached"]
-    runs = []
-    for s in [None, *settings]:
-        if ("uncached" if s is None else f"Kp={s[0]},Kr={s[1]},rho={s[2]}") not in outs:
-            continue
-        name = "uncached" if s is None else f"Kp={s[0]},Kr={s[1]},rho={s[2]}"
-        done = args.prompt_length + stats[name]["steps"] * args.block_length // (args.steps * args.block_length // args.gen_length)
-        agree = (outs[name][:, args.prompt_length : done] == ref[:, args.prompt_length : done]).float().mean().item()
-        runs.append({"name": name, "cache": None if s is None else dict(zip(("Kp", "Kr", "rho"), s)),
-                     **stats[name], "agreement": agree})  # fmt: skip
+    base = spread([r["seconds"] for r in runs["uncached"]])
+    rows = []
+    for name, rounds in runs.items():
+        wall = [r["seconds"] for r in rounds]
+        cpu = [r["cpu_seconds"] for r in rounds]
+        w = spread(wall)
+        done = p + rounds[0]["steps"] * args.block_length // (args.steps * args.block_length // args.gen_length)
+        agreement = (outs[name][:, p:done] == ref[:, p:done]).float().mean().item()
+        speedup = base["median"] / w["median"]
+        speedup_range = None if name == "uncached" else [base["min"] / w["max"], base["max"] / w["min"]]
+        flops_ratio = rounds[0]["flops_ratio"]
+        row = {
+            "name": name,
+            "cache": None if name == "uncached" else rounds[0]["cache"],
+            "repeats": len(rounds),
+            "seconds_runs": wall,
+            "seconds": w,
+            "cpu_seconds_runs": cpu,
+            "cpu_seconds": spread(cpu),
+            "steps": rounds[0]["steps"],
+            "tokens_per_s": (done - p) / w["median"],
+            "speedup": speedup,
+            "speedup_range": speedup_range,
+            "cpu_speedup": statistics.median(r["cpu_seconds"] for r in runs["uncached"]) / statistics.median(cpu),
+            "flops_ratio": flops_ratio,
+            "overhead_share": 1 - speedup / flops_ratio if flops_ratio else None,
+            "agreement": agreement,
+            "same_tokens_every_round": all(torch.equal(r["tokens"], rounds[0]["tokens"]) for r in rounds),
+        }
+        if name != "uncached":
+            row["refresh_counts"] = rounds[0]["refresh_counts"]
+            row["faster_than_uncached"] = verdict(*speedup_range, 1.0)
+            row["meets_target"] = verdict(*speedup_range, args.target)
+        rows.append(row)
+    return rows
 
-    base = runs[0]["seconds"]
-    for r in runs:
-        r["speedup"] = base / r["seconds"]
-        r["cpu_speedup"] = runs[0]["cpu_seconds"] / r["cpu_seconds"]
-        r["weight_gb_s"] = weight_bytes * r["steps"] / r["seconds"] / 1e9
-        print(f"{r['name']}: speedup {r['speedup']:.2f}x, agreement {r['agreement']:.3f}", flush=True)
 
+def size_text(params: int) -> str:
+    return f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.1f}M"
+
+
+def report_line(r: dict, target: float) -> str:
+    s = r["seconds"]
+    line = f"{r['name']}: {s['median']:.4g} s median [{s['min']:.4g}-{s['max']:.4g}] over {r['repeats']} rounds"
+    if r["name"] == "uncached":
+        return line
+    lo, hi = r["speedup_range"]
+
+    def word(v):
+        return "not resolved (spreads overlap)" if v == "not resolved" else v
+
+    return (f"{line}, speedup {r['speedup']:.2f}x [{lo:.2f}-{hi:.2f}], layer-FLOPs ratio {r['flops_ratio']:.2f}x, "
+            f"overhead share {r['overhead_share']:.2f}; faster than uncached: {word(r['faster_than_uncached'])}; "
+            f">= {target:g}x: {word(r['meets_target'])}")
+
+
+def write_results(args, model, rows, info) -> None:
+    """Write <out>.json/.png/.md for the rounds finished so far."""
     command = "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *sys.argv[1:]])
+    layout = "LLaDA-layout" if args.layout == "llada" else "Llama-layout (Dream-like)"
+    rounds = min(r["repeats"] for r in rows)
     result = {
-        "what": "dLLM-Cache speed, random-weight LLaDA-layout model on CPU (speed only; quality needs real weights)",
+        "what": f"dLLM-Cache speed, random-weight {layout} model on CPU (speed only; quality needs real weights)",
         "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model": {"layout": args.layout, "size": args.size, "params": n_params, "weight_bytes": weight_bytes,
-                  "dtype": args.dtype, "config": model.config.to_dict()},  # fmt: skip
-        "setup": {"blocks_timed": args.blocks or args.gen_length // args.block_length, "prompt_length": args.prompt_length, "gen_length": args.gen_length, "steps": args.steps,
-                  "block_length": args.block_length, "batch": 1, "temperature": 0.0, "remasking": "low_confidence",
-                  "threads": args.threads, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "model": {"layout": args.layout, "size": args.size, **info, "dtype": args.dtype,
+                  "config": model.config.to_dict()},  # fmt: skip
+        "setup": {"prompt_length": args.prompt_length, "gen_length": args.gen_length, "steps": args.steps,
+                  "block_length": args.block_length, "blocks_timed": args.blocks or args.gen_length // args.block_length,
+                  "batch": 1, "temperature": 0.0, "remasking": "low_confidence", "threads": args.threads,
+                  "small_batch_linear": args.small_batch_linear, "target": args.target,
+                  "order": "warm-up of every setting, then rounds alternating forward / reversed order",
+                  "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
                   "cpu_count": os.cpu_count(), "load_avg_at_end": os.getloadavg()},  # fmt: skip
-        "complete": len(runs) == 1 + len(settings),
-        "runs": runs,
+        "rounds_done": rounds,
+        "complete": rounds == args.repeats,
+        "runs": rows,
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    _write(args.out + ".json", json.dumps(result, indent=2, default=str))
+    atomic_write(args.out + ".json", json.dumps(result, indent=2, default=str) + "\n")
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["name"].replace(",", "\n") for r in runs]
+    names = [r["name"].replace(",", "\n") for r in rows]
+    xs = range(len(rows))
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    axes[0].bar(names, [r["seconds"] for r in runs], color="tab:blue")
-    axes[0].set_ylabel("wall time (s)")
-    axes[1].bar(names, [r["speedup"] for r in runs], color="tab:green", label="wall-time speedup")
-    axes[1].plot(names, [r["flops_ratio"] for r in runs], "ko--", label="layer-FLOPs ratio")
-    axes[1].axhline(3.0, color="red", lw=0.8, ls=":", label="3x target")
+    med = [r["seconds"]["median"] for r in rows]
+    axes[0].bar(xs, med, color="tab:blue", alpha=0.6, label="median")
+    for i, r in enumerate(rows):
+        axes[0].plot([i] * len(r["seconds_runs"]), r["seconds_runs"], "k.", ms=5)
+    axes[0].set_ylabel("wall time (s); dots = rounds")
+    lo = [r["speedup"] - r["speedup_range"][0] if r["speedup_range"] else 0 for r in rows]
+    hi = [r["speedup_range"][1] - r["speedup"] if r["speedup_range"] else 0 for r in rows]
+    axes[1].bar(xs, [r["speedup"] for r in rows], yerr=[lo, hi], capsize=3, color="tab:green", alpha=0.7,
+                label="wall speedup (median, range)")  # fmt: skip
+    axes[1].plot(xs, [r["flops_ratio"] for r in rows], "ko--", label="layer-FLOPs ratio")
+    axes[1].axhline(args.target, color="red", lw=0.8, ls=":", label=f"{args.target:g}x target")
     axes[1].set_ylabel("x vs uncached")
-    axes[1].legend(fontsize=8)
-    axes[2].bar(names, [r["agreement"] for r in runs], color="tab:orange")
+    axes[1].legend(fontsize=7)
+    axes[2].bar(xs, [r["agreement"] for r in rows], color="tab:orange")
     axes[2].set_ylim(0, 1.05)
     axes[2].set_ylabel("token agreement with uncached")
     for ax in axes:
-        ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"dLLM-Cache, random-weight {n_params / 1e9:.2f}B LLaDA-layout model, CPU ({args.threads} thread), "
-                 f"P={args.prompt_length}, G={args.gen_length}, steps={args.steps}, block={args.block_length} "
-                 "(speed only)", fontsize=9)  # fmt: skip
+        ax.set_xticks(list(xs), names, fontsize=7)
+    fig.suptitle(f"dLLM-Cache, random-weight {size_text(info['params'])} {layout} model, CPU ({args.threads} thread), "
+                 f"P={args.prompt_length}, G={args.gen_length}, steps={args.steps}, block={args.block_length}, "
+                 f"{rounds} rounds (speed only)", fontsize=9)  # fmt: skip
     fig.tight_layout()
-    tmp = args.out + ".png.tmp"
-    fig.savefig(tmp, dpi=110, format="png")
-    os.replace(tmp, args.out + ".png")
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    plt.close(fig)
+    atomic_write(args.out + ".png", buf.getvalue())
 
     lines = [
-        f"# dLLM-Cache speed: random-weight {n_params / 1e9:.2f}B LLaDA-layout model on CPU",
+        f"# dLLM-Cache speed: random-weight {size_text(info['params'])} {layout} model on CPU",
         "",
-        "" if result["complete"] else f"**Incomplete: {len(runs)} of {1 + len(settings)} runs finished.**\n",
+        "" if result["complete"] else f"**Incomplete: {rounds} of {args.repeats} rounds finished.**\n",
         "Random-weight **speed** measurement: token agreement with a random model says nothing about",
         "answer quality (that needs real LLaDA/Dream weights, not available offline here).",
         "",
@@ -120,38 +199,57 @@ def write_results(args, model, outs, stats, settings, n_params, weight_bytes) ->
         f"    {command}",
         "",
         f"Prompt {args.prompt_length} tokens, gen_length {args.gen_length}, steps {args.steps}, block {args.block_length},"
-        f" batch 1, greedy, low-confidence remasking, {args.dtype}, torch threads {args.threads}.",
-        f"Shared {os.cpu_count()}-core machine with other jobs running (load average at the end:"
-        f" {', '.join(f'{x:.1f}' for x in os.getloadavg())}); runs are side by side in one process, so the"
-        " ratios are meaningful, absolute seconds less so.",
+        f" batch 1, greedy, low-confidence remasking, {args.dtype}, torch threads {args.threads}"
+        f"{', SmallBatchLinear on' if args.small_batch_linear else ''}. Warm-up of every setting, then {rounds}"
+        " rounds of all settings in alternating order (forward, reversed, ...).",
+        f"Shared {os.cpu_count()}-core machine (load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}).",
+        "Speedup range: min uncached / max cached .. max uncached / min cached; \"not resolved\" = the range"
+        " straddles the threshold. Overhead share = 1 - wall speedup / layer-FLOPs ratio.",
         "",
-        "| run | wall s | speedup (wall) | CPU s | speedup (CPU) | tokens/s | weight GB/s | layer-FLOPs ratio | agreement |",
+        "| run | wall s median [min-max] | speedup [range] | CPU s median | layer-FLOPs ratio | overhead share |"
+        f" agreement | faster than uncached | >= {args.target:g}x |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in runs:
-        lines.append(f"| {r['name']} | {r['seconds']:.1f} | {r['speedup']:.2f}x | {r['cpu_seconds']:.1f} | "
-                     f"{r['cpu_speedup']:.2f}x | {r['tokens_per_s']:.2f} | "
-                     f"{r['weight_gb_s']:.1f} | {r['flops_ratio']:.2f}x | {r['agreement']:.3f} |")  # fmt: skip
+    for r in rows:
+        s = r["seconds"]
+        cached = r["name"] != "uncached"
+        overhead = f"{r['overhead_share']:.2f}" if cached else "-"
+        speedup = f"{r['speedup']:.2f}x" + (f" [{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}]" if cached else "")
+        lines.append(
+            f"| {r['name']} | {s['median']:.4g} [{s['min']:.4g}-{s['max']:.4g}] | {speedup} | "
+            f"{r['cpu_seconds']['median']:.4g} | {r['flops_ratio']:.2f}x | {overhead} | {r['agreement']:.3f} | "
+            f"{r.get('faster_than_uncached', '-')} | {r.get('meets_target', '-')} |"
+        )
     lines += ["", f"![plot]({os.path.basename(args.out)}.png)", ""]
-    _write(args.out + ".md", "\n".join(lines))
+    atomic_write(args.out + ".md", "\n".join(lines))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="1b", help="test model size: tiny, small, 1b (default 1b)")
+    ap.add_argument("--size", default="1b", help="test model size: 1b (~1.1e9), 300m (~0.3e9), small, tiny (default 1b)")
     ap.add_argument("--layout", default="llada", choices=["llada", "llama"])
-    ap.add_argument("--prompt-length", type=int, default=64)
+    ap.add_argument("--prompt-length", type=int, default=128, help="prompt tokens (default 128; >= 1024 for long prompts)")
     ap.add_argument("--gen-length", type=int, default=128)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=None,
                     help="time only the first N blocks of the schedule (same schedule, fewer steps run)")
-    ap.add_argument("--settings", default="50,7,0.25;100,8,0.1;10,3,0.5", help="'Kp,Kr,rho;...'")
+    ap.add_argument("--settings", default=DEFAULT_SETTINGS, help=f"'Kp,Kr,rho;...' (default {DEFAULT_SETTINGS})")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds, alternating order (>= 3, default 3)")
+    ap.add_argument("--target", type=float, default=3.0, help="wall speedup to check against (default 3)")
+    ap.add_argument("--small-batch-linear", action="store_true", help="cached settings use SmallBatchLinear")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (same for every run)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="docs/results/diffusion_llada1b_cpu", help="output path without extension")
+    ap.add_argument("--out", default=None,
+                    help="output path without extension (default docs/results/diffusion_<layout><size>[_p<P>]_cpu)")
     args = ap.parse_args(argv)
+    if args.repeats < 3:
+        ap.error("--repeats must be >= 3 (a median and a spread need them)")
+    if args.out is None:
+        suffix = "" if args.prompt_length == 128 else f"_p{args.prompt_length}"
+        args.out = f"docs/results/diffusion_{args.layout}{args.size}{suffix}_cpu"
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
     from river_hf.diffusion import DLLMCacheConfig, build_test_model, generate
 
@@ -159,31 +257,39 @@ def main(argv=None) -> int:
     settings = parse_settings(args.settings)
     t0 = time.perf_counter()
     model = build_test_model(args.layout, args.size, seed=args.seed, dtype=getattr(torch, args.dtype))
-    build_s = time.perf_counter() - t0
-    n_params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    info = {"params": sum(p.numel() for p in model.parameters()),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "build_seconds": time.perf_counter() - t0}  # fmt: skip
     mask_id = model.config.mask_token_id
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, min(mask_id, model.config.vocab_size) - 1, (1, args.prompt_length), generator=g)
-    kw = dict(steps=args.steps, gen_length=args.gen_length, block_length=args.block_length, mask_id=mask_id,
-              progress=True, return_stats=True, max_blocks=args.blocks)  # fmt: skip
-    print(f"model: {args.layout} {args.size}, {n_params / 1e9:.3f}e9 params, built in {build_s:.0f} s", flush=True)
+    kw = dict(steps=args.steps, gen_length=args.gen_length, block_length=args.block_length, return_stats=True,
+              progress=True)  # fmt: skip
+    caches = {setting_name(s): None if s is None else DLLMCacheConfig(*s, small_batch_linear=args.small_batch_linear)
+              for s in [None, *settings]}  # fmt: skip
+    print(f"model: {args.layout} {args.size}, {info['params'] / 1e9:.3f}e9 params, built in {info['build_seconds']:.0f} s",
+          flush=True)  # fmt: skip
 
-    # warm-up forward (allocations, thread pools), then the target setting first so a slow cached path
-    # shows early in the log; the uncached reference follows, then the other settings.
-    with torch.inference_mode():
-        model(input_ids=torch.cat([prompt, torch.full((1, args.gen_length), mask_id)], 1))
-    outs, stats = {}, {}
-    order = [settings[0], None, *settings[1:]]
-    for s in order:
-        name = "uncached" if s is None else f"Kp={s[0]},Kr={s[1]},rho={s[2]}"
-        cache = None if s is None else DLLMCacheConfig(*s)
-        c0 = time.process_time()
-        outs[name], stats[name] = generate(model, prompt, cache=cache, **kw)
-        stats[name]["cpu_seconds"] = time.process_time() - c0  # less sensitive to other jobs than wall time
-        print(f"{name}: {stats[name]['seconds']:.1f} s, FLOPs ratio {stats[name]['flops_ratio']:.2f}x", flush=True)
-        if "uncached" in outs:  # write what is measured so far (a killed run still leaves results)
-            write_results(args, model, outs, stats, settings, n_params, weight_bytes)
+    # warm-up: two forwards of every setting over the full length (a full refresh, then a partial step)
+    blocks = args.gen_length // args.block_length
+    for cache in caches.values():
+        generate(model, prompt, cache=cache, steps=2 * blocks, gen_length=args.gen_length,
+                 block_length=args.block_length, max_blocks=1)  # fmt: skip
+
+    runs: dict[str, list[dict]] = {name: [] for name in caches}
+    outs: dict[str, torch.Tensor] = {}
+    for rnd in range(args.repeats):
+        order = list(caches) if rnd % 2 == 0 else list(caches)[::-1]
+        for name in order:
+            c0 = time.process_time()
+            res = generate(model, prompt, cache=caches[name], max_blocks=args.blocks, **kw)
+            stats = {**res.stats, "cpu_seconds": time.process_time() - c0, "tokens": res.sequences}
+            runs[name].append(stats)
+            outs.setdefault(name, res.sequences)
+            print(f"round {rnd + 1}/{args.repeats} {name}: {stats['seconds']:.2f} s", flush=True)
+        rows = summarize(runs, outs, args)
+        write_results(args, model, rows, info)
+    print("\n".join(report_line(r, args.target) for r in rows))
     print(f"wrote {args.out}.json/.png/.md", flush=True)
     return 0
 

@@ -52,7 +52,14 @@ KW = dict(steps=16, gen_length=16, block_length=8)
 
 
 def _gen(model, ids, mask, cache=None, **kw):
-    return generate(model, ids, mask_id=model.config.mask_token_id, attention_mask=mask, cache=cache, **{**KW, **kw})
+    """The generated sequences ``[B, P + G]``."""
+    return _gen_out(model, ids, mask, cache, **kw).sequences
+
+
+def _gen_out(model, ids, mask, cache=None, **kw):
+    """The whole :class:`DiffusionGenerationOutput` (stats included)."""
+    kw = {**KW, "return_stats": True, **kw}
+    return generate(model, ids, mask_id=model.config.mask_token_id, attention_mask=mask, cache=cache, **kw)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -75,9 +82,9 @@ def test_partial_paths_recompute_exactly(models, layout):
     model = models[layout]
     ids, mask = _prompts(True)
     ref = _gen(model, ids, mask)
-    out, stats = _gen(model, ids, mask, DLLMCacheConfig(1, 1000, 1.0), return_stats=True)
-    assert stats["refresh_counts"]["prompt"] == KW["steps"] - 1  # the decomposed path really ran
-    assert torch.equal(out, ref)
+    out = _gen_out(model, ids, mask, DLLMCacheConfig(1, 1000, 1.0))
+    assert out.stats["refresh_counts"]["prompt"] == KW["steps"] - 1  # the decomposed path really ran
+    assert torch.equal(out.sequences, ref)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -101,6 +108,66 @@ def test_every_branch_reproduces_full_forward_on_unchanged_input(models, layout)
                 real = full_mask.bool()
                 torch.testing.assert_close(out[real], ref[real], rtol=1e-4, atol=1e-4)
     assert set(kinds) == {(True, True), (False, False), (True, False), (False, True)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_buffers_hold_rotated_keys_and_are_written_in_place(models, layout, monkeypatch):
+    """Each layer keeps one buffer per feature over all positions, written in place across steps of
+    every kind, and the K buffer holds the keys *after* rotary: the very keys the model's own
+    attention receives (recorded from its scaled_dot_product_attention call)."""
+    import torch.nn.functional as F
+
+    model = models[layout]
+    ids, mask = _prompts(True)
+    b = ids.shape[0]
+    x = torch.cat([ids, torch.full((b, 6), model.config.mask_token_id)], 1)
+    full_mask = torch.cat([mask, torch.ones(b, 6, dtype=mask.dtype)], 1)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, *a, **kw: seen.append(k) or sdpa(q, k, *a, **kw))
+    with torch.inference_mode():
+        model(input_ids=x, attention_mask=full_mask)
+        model_keys = list(seen)  # [B, heads, T, D] per layer (KV heads possibly repeated for GQA)
+        with attach_cache(model, DLLMCacheConfig(2, 3, 0.5), ids.shape[1], full_mask.bool()) as fc:
+            fc.next_step()
+            model(input_ids=x, attention_mask=full_mask)
+            buffers = {i: (st, [t.data_ptr() for t in (st.k, st.v, st.attn, st.ffn)]) for i, st in fc.layers.items()}
+            for _ in range(5):  # verify, prompt, response, prompt, verify
+                fc.next_step()
+                model(input_ids=x, attention_mask=full_mask)
+    assert fc.refresh_counts == {"full": 1, "prompt": 2, "response": 1, "verify": 2}
+    assert len(buffers) == len(model_keys)
+    for i, (st, ptrs) in buffers.items():
+        assert fc.layers[i] is st and [t.data_ptr() for t in (st.k, st.v, st.attn, st.ffn)] == ptrs
+        assert st.k.shape == (b, x.shape[1], st.k.shape[2], st.k.shape[3])
+        keys = model_keys[i][:, :: model_keys[i].shape[1] // st.k.shape[2]]
+        torch.testing.assert_close(st.k.transpose(1, 2), keys, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_small_batch_linear_option(models, layout):
+    """small_batch_linear=True: Kp = Kr = 1 stays token-exact (full refreshes never use the mode), and on
+    decomposed steps the rerouted Linear calls give the full forward's logits up to fp32 rounding."""
+    model = models[layout]
+    for batched in (False, True):
+        ids, mask = _prompts(batched)
+        out = _gen_out(model, ids, mask, DLLMCacheConfig(1, 1, 0.25, small_batch_linear=True))
+        assert torch.equal(out.sequences, _gen(model, ids, mask))
+        assert out.stats["small_batch_linear_calls"] == 0
+    ids, mask = _prompts(True)
+    x = torch.cat([ids, torch.full((3, 6), model.config.mask_token_id)], 1)
+    full_mask = torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], 1)
+    real = full_mask.bool()
+    with torch.inference_mode():
+        ref = model(input_ids=x, attention_mask=full_mask).logits
+        with attach_cache(model, DLLMCacheConfig(2, 3, 0.5, small_batch_linear=True), 10, real) as fc:
+            for _ in range(6):  # full, verify, prompt, response, prompt, verify
+                fc.next_step()
+                out = model(input_ids=x, attention_mask=full_mask).logits
+                torch.testing.assert_close(out[real], ref[real], rtol=1e-4, atol=1e-4)
+    assert fc.linear_mode.calls_rerouted > 0
+    with pytest.raises(RiverError):
+        DLLMCacheConfig(small_batch_linear="yes")
 
 
 def test_v_verify_selection_unit():
@@ -182,9 +249,9 @@ def test_cache_reduces_flops_and_restores_layers(models):
     model = models["llada"]
     ids, mask = _prompts(True)
     before = list(model.state_dict())
-    _, full = _gen(model, ids, mask, DLLMCacheConfig(1, 1, 0.25), return_stats=True)
-    _, st = _gen(model, ids, mask, DLLMCacheConfig(8, 4, 0.25), return_stats=True)
-    _, unc = _gen(model, ids, mask, return_stats=True)
+    full = _gen_out(model, ids, mask, DLLMCacheConfig(1, 1, 0.25)).stats
+    st = _gen_out(model, ids, mask, DLLMCacheConfig(8, 4, 0.25)).stats
+    unc = _gen_out(model, ids, mask).stats
     assert full["flops_ratio"] == 1.0 and full["layer_flops"] == unc["layer_flops"]
     assert st["layer_flops_full"] == unc["layer_flops"] and st["flops_ratio"] > 1.5
     assert st["refresh_counts"] == {"full": 2, "prompt": 0, "response": 2, "verify": 12}
@@ -201,6 +268,46 @@ def test_cache_reduces_flops_and_restores_layers(models):
     finally:
         hook.remove()
     assert not any(isinstance(m, CachedLayer) for m in model.modules())
+
+
+@pytest.mark.parametrize("cache", [None, DLLMCacheConfig(4, 2, 0.25)])
+def test_generate_returns_a_model_output(models, cache):
+    """generate returns a transformers ModelOutput: ``sequences`` always, ``stats`` only when asked."""
+    from transformers.utils import ModelOutput
+
+    from river_hf.diffusion import DiffusionGenerationOutput
+
+    model = models["llada"]
+    ids, mask = _prompts(True)
+    plain = _gen_out(model, ids, mask, cache, return_stats=False)
+    assert isinstance(plain, DiffusionGenerationOutput) and isinstance(plain, ModelOutput)
+    assert plain.stats is None and list(plain.keys()) == ["sequences"]
+    assert plain.sequences.dtype == torch.long and plain.sequences.shape == (3, 10 + KW["gen_length"])
+    full = _gen_out(model, ids, mask, cache)
+    assert torch.equal(full["sequences"], plain.sequences) and full.stats["steps"] == KW["steps"]
+    assert ("refresh_counts" in full.stats) == (cache is not None)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mask_id_defaults_to_the_models_own(layout):
+    """Without mask_id, generate uses config.mask_token_id, else generation_config.mask_token_id, and
+    raises a RiverError naming mask_id when neither has one; an id outside the vocabulary is refused."""
+    model = build_test_model(layout, "tiny", seed=1)
+    ids, mask = _prompts(True)
+    own = model.config.mask_token_id
+    explicit = _gen(model, ids, mask)  # passes mask_id=config.mask_token_id
+    default = generate(model, ids, attention_mask=mask, **KW).sequences
+    assert torch.equal(default, explicit)
+    from transformers import GenerationConfig
+
+    model.config.mask_token_id = None
+    model.generation_config = GenerationConfig(mask_token_id=own)  # where Dream keeps it
+    assert torch.equal(generate(model, ids, attention_mask=mask, **KW).sequences, explicit)
+    model.generation_config.mask_token_id = None
+    with pytest.raises(RiverError, match="pass mask_id="):
+        generate(model, ids, attention_mask=mask, **KW)
+    with pytest.raises(RiverError, match="outside the vocabulary"):
+        generate(model, ids, attention_mask=mask, mask_id=model.config.vocab_size, **KW)
 
 
 def test_num_transfer_tokens():
@@ -254,3 +361,15 @@ def test_auto_classes_round_trip(layout, tmp_path):
     with torch.inference_mode():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
         assert model(input_ids=ids).logits.shape == (1, 6, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_before_next_step_is_a_clear_error(models, layout):
+    """Calling the model inside attach_cache before the first next_step() names the missing call."""
+    model = models[layout]
+    ids, _ = _prompts(False)
+    with torch.inference_mode(), attach_cache(model, DLLMCacheConfig(), ids.shape[1] - 4, None) as fc:
+        with pytest.raises(RiverError, match=r"next_step\(\)"):
+            model(input_ids=ids)
+        fc.next_step()
+        assert model(input_ids=ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)

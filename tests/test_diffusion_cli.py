@@ -22,6 +22,13 @@ def test_diffuse_json_compare(capsys):
     assert out["stats"]["refresh_counts"]["full"] == 8
 
 
+def test_diffuse_small_batch_linear_flag(capsys):
+    argv = ["diffuse", "--model", "tiny-llada", *SMALL, "--kp", "4", "--kr", "2", "--small-batch-linear", "--json"]
+    assert main(argv) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["cache"]["small_batch_linear"] is True and stats["small_batch_linear_calls"] > 0
+
+
 def test_diffuse_text_output_and_folder(tmp_path, capsys):
     from river_hf.diffusion import build_test_model
 

@@ -2,8 +2,8 @@
 
 dLLM-Cache (Liu et al., 2025, "dLLM-Cache: Accelerating Diffusion Large Language Models with
 Adaptive Caching", arXiv:2506.06295, Methodology) needs to run a pre-norm transformer layer in parts: the attention
-input norm, the Q/K/V projections (K and V are cached *before* rotary), rotary at arbitrary
-positions, the output projection, and the FFN (norm included). Each layout has one small adapter
+input norm, the Q/K/V projections, rotary at given positions (K is cached *after* rotary: positions
+never move in masked diffusion), the output projection, and the FFN (norm included). Each layout has one small adapter
 that names those parts; the caching rule itself lives once, in :mod:`river_hf.diffusion.cache`.
 
 Two layouts are supported:
@@ -63,7 +63,8 @@ class LayerAdapter:
         ffn_modules: the FFN's Linear-holding modules (for the FLOPs count).
         k_module, v_module, attn_out_module, ffn_out_module: submodules whose outputs are the
             cached features (K before rotary, V, attention output, FFN output); forward hooks on
-            them fill the cache on full-refresh steps, where the original layer runs unchanged.
+            them fill the cache on full-refresh steps, where the original layer runs unchanged
+            (the cache applies :meth:`rope` to the captured K once).
     """
 
     layer: nn.Module
@@ -86,7 +87,10 @@ class LayerAdapter:
         raise NotImplementedError
 
     def rotary(self, args: tuple, kwargs: dict, x: torch.Tensor):
-        """Per-call rotary context, handed back to :meth:`rope`."""
+        """Rotary tables for the call's ``T = x.shape[1]`` positions, handed back to :meth:`rope`.
+
+        Positions are 0..T-1 on every call of one generation, so the cache reads this once per layer.
+        """
         raise NotImplementedError
 
     def pack(self, out: torch.Tensor, tuple_output: bool):
@@ -110,8 +114,19 @@ class LayerAdapter:
         """``[..., heads * head_dim]`` -> ``[..., heads, head_dim]`` (a view)."""
         return t.view(*t.shape[:-1], -1, self.head_dim)
 
-    def rope(self, t: torch.Tensor, positions: torch.Tensor, rot) -> torch.Tensor:
-        """Rotary embedding of ``t`` ``[B, n, heads, D]`` at absolute ``positions`` ``[B, n]`` (int64)."""
+    def rope(self, q: torch.Tensor | None, k: torch.Tensor, rot, rows: slice | torch.Tensor):
+        """Rotary embedding of queries and keys that sit at the same positions.
+
+        Args:
+            q: ``[B, n, num_heads, D]`` or None (keys only).
+            k: ``[B, n, num_kv_heads, D]``.
+            rot: the tables from :meth:`rotary`.
+            rows: the n absolute positions: a ``slice`` (the tables are sliced, no index gather)
+                or ``[B, n]`` int64 (gathered per row).
+
+        Returns:
+            ``(q_rot, k_rot)`` in the input dtypes (``q_rot`` None when ``q`` is None).
+        """
         raise NotImplementedError
 
     def attn_out(self, o: torch.Tensor) -> torch.Tensor:
@@ -207,16 +222,19 @@ class HFDecoderLayerAdapter(LayerAdapter):
         k = self._heads(self.k_proj(xn))
         return self.k_norm(k) if self.k_norm is not None else k
 
-    def rope(self, t, positions, rot):
-        cos, sin = rot
-        idx = positions.unsqueeze(-1).expand(-1, -1, cos.shape[-1])
-        c, s = cos.gather(1, idx), sin.gather(1, idx)  # [B, n, D]
-        t = t.transpose(1, 2)  # [B, heads, n, D], the layout the model's own function expects
-        if self._apply_rope is not None:
-            out = self._apply_rope(t, t, c, s)[0]
+    def rope(self, q, k, rot, rows):
+        cos, sin = rot  # [B, T, D]
+        if isinstance(rows, slice):
+            c, s = cos[:, rows], sin[:, rows]
         else:
-            out = t * c.unsqueeze(1) + _rotate_half(t) * s.unsqueeze(1)
-        return out.transpose(1, 2)
+            idx = rows.unsqueeze(-1).expand(-1, -1, cos.shape[-1])
+            c, s = cos.gather(1, idx), sin.gather(1, idx)  # [B, n, D]
+        if self._apply_rope is not None:  # the model's own function, on the [B, n, heads, D] layout
+            q_rot, k_rot = self._apply_rope(k if q is None else q, k, c, s, unsqueeze_dim=2)
+            return (None if q is None else q_rot), k_rot
+        c, s = c.unsqueeze(2), s.unsqueeze(2)
+        k_rot = k * c + _rotate_half(k) * s
+        return (None if q is None else q * c + _rotate_half(q) * s), k_rot
 
     def attn_out(self, o):
         return self.attn.o_proj(o)
@@ -281,14 +299,16 @@ class LLaDABlockAdapter(LayerAdapter):
         k = self.k_proj(xn)
         return self._heads(self.k_norm(k) if self.k_norm is not None else k)
 
-    def rope(self, t, positions, rot):
-        sin, cos = rot  # [T, D]
-        s, c = sin[positions].unsqueeze(1), cos[positions].unsqueeze(1)  # [B, 1, n, D]
-        tt = t.transpose(1, 2)
-        if self.full_precision_rope:
-            tt = tt.float()
-        out = self.layer.rotary_emb.apply_rotary_pos_emb(s.type_as(tt), c.type_as(tt), tt)
-        return out.to(t.dtype).transpose(1, 2)
+    def rope(self, q, k, rot, rows):
+        sin, cos = rot  # [T, D] float32
+        s, c = sin[rows].unsqueeze(-2), cos[rows].unsqueeze(-2)  # [n, 1, D] (slice) or [B, n, 1, D]
+        apply = self.layer.rotary_emb.apply_rotary_pos_emb
+
+        def one(t):
+            tt = t.float() if self.full_precision_rope else t
+            return apply(s.type_as(tt), c.type_as(tt), tt).to(t.dtype)
+
+        return (None if q is None else one(q)), one(k)
 
     def attn_out(self, o):
         return self.layer.attn_out(o)

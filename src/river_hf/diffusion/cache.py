@@ -4,8 +4,11 @@ Rules (Liu et al., 2025, "dLLM-Cache: Accelerating Diffusion Large Language Mode
 Caching", arXiv:2506.06295, Methodology section; public code github.com/maomaocun/dLLM-cache,
 ``dllm_cache/hooks`` and ``dllm_cache/cache``):
 
-* Per layer, keep separately for prompt and response positions: K and V (before rotary), the
-  attention output and the FFN output (the per-layer prompt cache and response cache).
+* Per layer, keep for prompt and response positions: K and V, the attention output and the FFN
+  output (the per-layer prompt cache and response cache). Here each feature is one buffer over all
+  ``T = P + G`` positions (prompt rows ``[:P]``, response rows ``[P:]``), allocated at the first
+  step and then written by slice or scatter; K is stored *after* rotary (positions never move in
+  masked diffusion, so a cached key never needs rotating again).
 * One step counter over the whole generation (one step = one model forward). Prompt features are
   recomputed when ``step % prompt_interval == 0`` (long-interval prompt caching, Kp), response
   features when ``step % response_interval == 0`` (short-interval response caching, Kr); step 0
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import RiverError
+from ..kernels import SmallBatchLinear
 from .adapters import LayerAdapter, find_decoder_layers
 
 __all__ = ["DLLMCacheConfig", "FeatureCache", "CachedLayer", "select_response_tokens", "attach_cache"]
@@ -47,6 +51,11 @@ class DLLMCacheConfig:
         prompt_interval: Kp, refresh prompt features every Kp denoising steps (>= 1).
         response_interval: Kr, refresh response features every Kr denoising steps (>= 1).
         ratio: rho, V-verify ratio: fraction of response tokens recomputed on other steps (0..1).
+        small_batch_linear: run the decomposed (non-full-refresh) steps under
+            :class:`river_hf.kernels.SmallBatchLinear`, which computes fp32 CPU Linear calls of 2..64
+            rows (V-verify's rho * G selected tokens) in the faster ``(W @ x.T).T`` orientation. Full
+            refresh steps never use it, so ``Kp = Kr = 1`` stays exact; elsewhere results change by fp32
+            summation order only. Off by default (see docs/diffusion.md for the measurement).
 
     Raises:
         RiverError: an interval < 1 or a ratio outside [0, 1].
@@ -55,6 +64,7 @@ class DLLMCacheConfig:
     prompt_interval: int = 50
     response_interval: int = 7
     ratio: float = 0.25
+    small_batch_linear: bool = False
 
     def __post_init__(self):
         if int(self.prompt_interval) != self.prompt_interval or self.prompt_interval < 1:
@@ -63,6 +73,8 @@ class DLLMCacheConfig:
             raise RiverError(f"response_interval (Kr) must be an integer >= 1, got {self.response_interval}")
         if not 0.0 <= float(self.ratio) <= 1.0:
             raise RiverError(f"ratio (rho) must be in [0, 1], got {self.ratio}")
+        if not isinstance(self.small_batch_linear, bool):
+            raise RiverError(f"small_batch_linear must be True or False, got {self.small_batch_linear!r}")
 
 
 def select_response_tokens(v_fresh: torch.Tensor, v_cached: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -95,19 +107,20 @@ def _scatter_(t: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
 
 @dataclass
 class LayerFeatures:
-    """Cached features of one layer; ``*_p`` prompt, ``*_r`` response positions.
+    """Cached features of one layer, one buffer per feature over all T positions (prompt ``[:P]``,
+    response ``[P:]``), in the model dtype.
 
-    K/V: ``[B, n, num_kv_heads, head_dim]`` (K before rotary); attn/ffn: ``[B, n, hidden]``.
+    Attributes:
+        k: ``[B, T, num_kv_heads, head_dim]``, keys *after* rotary.
+        v: ``[B, T, num_kv_heads, head_dim]``.
+        attn: ``[B, T, hidden]``, attention branch output (after the output projection).
+        ffn: ``[B, T, hidden]``, FFN branch output.
     """
 
-    k_p: torch.Tensor | None = None
-    v_p: torch.Tensor | None = None
-    attn_p: torch.Tensor | None = None
-    ffn_p: torch.Tensor | None = None
-    k_r: torch.Tensor | None = None
-    v_r: torch.Tensor | None = None
-    attn_r: torch.Tensor | None = None
-    ffn_r: torch.Tensor | None = None
+    k: torch.Tensor
+    v: torch.Tensor
+    attn: torch.Tensor
+    ffn: torch.Tensor
 
 
 @dataclass
@@ -118,25 +131,37 @@ class FeatureCache:
         config: the :class:`DLLMCacheConfig`.
         prompt_length: P, the first P positions are the prompt (padding included).
         key_mask: ``[B, T]`` bool, True for real tokens, or None when nothing is padded.
-        step: index of the denoising step (model forward) in flight, starting at 0.
-        layers: per-layer :class:`LayerFeatures`.
+        step: index of the denoising step (model forward) in flight: -1 until the first
+            :meth:`next_step`, then 0, 1, ...
+        refresh_prompt, refresh_response: whether the step in flight refreshes prompt / response
+            features (set by :meth:`next_step`).
+        layers: per-layer :class:`LayerFeatures` (filled by the first full refresh).
         layer_flops: layer FLOPs actually spent (all sequences), counted per call.
         layer_flops_full: layer FLOPs an uncached forward would have spent on the same calls.
         selected: number of response tokens recomputed by V-verify, summed over layers and rows.
+        linear_mode: the :class:`~river_hf.kernels.SmallBatchLinear` mode entered around decomposed
+            steps (``config.small_batch_linear``), else None; its ``calls_rerouted`` counts the calls.
     """
 
     config: DLLMCacheConfig
     prompt_length: int
     key_mask: torch.Tensor | None = None
     step: int = -1
+    refresh_prompt: bool = False
+    refresh_response: bool = False
     layers: dict[int, LayerFeatures] = field(default_factory=dict)
     layer_flops: int = 0
     layer_flops_full: int = 0
     selected: int = 0
     refresh_counts: dict[str, int] = field(default_factory=lambda: {"full": 0, "prompt": 0, "response": 0, "verify": 0})
+    linear_mode: SmallBatchLinear | None = None
+
+    def __post_init__(self):
+        if self.config.small_batch_linear and self.linear_mode is None:
+            self.linear_mode = SmallBatchLinear()
 
     def next_step(self) -> None:
-        """Advance the step counter; call once before each model forward."""
+        """Advance the step counter; call once before each model forward (the first call starts step 0)."""
         self.step += 1
         self.refresh_prompt = self.step % self.config.prompt_interval == 0
         self.refresh_response = self.step % self.config.response_interval == 0
@@ -144,6 +169,16 @@ class FeatureCache:
             "response" if self.refresh_response else "verify"
         )
         self.refresh_counts[kind] += 1
+
+    def require_step(self) -> None:
+        """Raise unless :meth:`next_step` has started a step.
+
+        Raises:
+            RiverError: the model was called inside :func:`attach_cache` before the first ``next_step()``.
+        """
+        if self.step < 0:
+            raise RiverError("dLLM-Cache: call FeatureCache.next_step() before each model forward "
+                             "(the step counter has not started)")  # fmt: skip
 
 
 class CachedLayer(nn.Module):
@@ -154,6 +189,17 @@ class CachedLayer(nn.Module):
         adapter: its :class:`~.adapters.LayerAdapter`.
         cache: the shared :class:`FeatureCache`.
         layer_idx: position in the decoder stack.
+
+    A call with ``x`` ``[B, T, hidden]`` returns what the layer returns (``[B, T, hidden]``, in a
+    tuple where the layer uses one). Which of the four step kinds runs is decided by the cache's
+    current step (paper's Methodology): full refresh (:meth:`_full`), or the decomposed path
+    (:meth:`_partial`) made of a prompt refresh and/or a response refresh (:meth:`_refresh`) or
+    V-verify (:meth:`_verify`), then attention (:meth:`_attend`) and FFN (:meth:`_ffn`) for the
+    recomputed rows only.
+
+    Raises:
+        RiverError: called before ``FeatureCache.next_step()``, or with a batch/length other than
+            the one the cache was filled with.
     """
 
     def __init__(self, layer: nn.Module, adapter: LayerAdapter, cache: FeatureCache, layer_idx: int):
@@ -164,6 +210,7 @@ class CachedLayer(nn.Module):
         self.cache_layer_idx = layer_idx
         self._captured: dict[str, torch.Tensor] | None = None
         self._tuple_output = False
+        self._rot = None  # rotary tables for positions 0..T-1, read once
         self._fpt = adapter.flops_per_token()
         self._full_flops: dict[int, int] = {}
         self._hooks = [
@@ -201,17 +248,39 @@ class CachedLayer(nn.Module):
             self._full_flops[t] = self.adapter.full_flops(t)
         return self._full_flops[t]
 
+    def _rotary(self, args, kwargs, x):
+        if self._rot is None:
+            self._rot = self.adapter.rotary(args, kwargs, x)
+        return self._rot
+
+    def _features(self, x: torch.Tensor) -> LayerFeatures | None:
+        """This layer's buffers (None before the first full refresh), checked against ``x``'s [B, T]."""
+        st = self.cache.layers.get(self.cache_layer_idx)
+        if st is not None and st.attn.shape[:2] != x.shape[:2]:
+            raise RiverError(f"dLLM-Cache: the cache holds [batch, tokens] = {list(st.attn.shape[:2])}, this call "
+                             f"has {list(x.shape[:2])}; positions must not move (attach a new cache for a new input)")
+        return st
+
+    def _spend(self, flops_per_sequence: int, batch: int) -> None:
+        self.cache.layer_flops += batch * flops_per_sequence
+
     # ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         fc, ad = self.cache, self.adapter
+        fc.require_step()
         if fc.refresh_prompt and fc.refresh_response:
             return self._full(args, kwargs)
         x = ad.hidden_states(args, kwargs)
-        out = self._partial(x, ad.rotary(args, kwargs, x))
+        st = self._features(x)
+        if st is None:
+            raise RiverError("dLLM-Cache: a partial step before any full refresh (step 0 must run through the cache)")
+        with fc.linear_mode if fc.linear_mode is not None else contextlib.nullcontext():
+            out = self._partial(x, st, self._rotary(args, kwargs, x))
+        fc.layer_flops_full += x.shape[0] * self._full_cost(x.shape[1])
         return ad.pack(out, self._tuple_output)
 
     def _full(self, args, kwargs):
-        """Full refresh: the original layer, unchanged; hooks store its features."""
+        """Full refresh: the original layer, unchanged; hooks capture its features into the buffers."""
         fc, ad = self.cache, self.adapter
         self._captured = {}
         try:
@@ -221,104 +290,116 @@ class CachedLayer(nn.Module):
         self._tuple_output = isinstance(out, tuple)
         x = ad.hidden_states(args, kwargs)
         b, t, _ = x.shape
-        p = fc.prompt_length
         k = cap["k"].reshape(b, t, ad.num_kv_heads, ad.head_dim)
+        _, k = ad.rope(None, k, self._rotary(args, kwargs, x), slice(0, t))
         v = cap["v"].reshape(b, t, ad.num_kv_heads, ad.head_dim)
-        st = LayerFeatures(
-            k_p=k[:, :p], v_p=v[:, :p], attn_p=cap["attn"][:, :p], ffn_p=cap["ffn"][:, :p],
-            k_r=k[:, p:].clone(), v_r=v[:, p:], attn_r=cap["attn"][:, p:].clone(), ffn_r=cap["ffn"][:, p:].clone(),
-        )  # fmt: skip
-        fc.layers[self.cache_layer_idx] = st
+        st = self._features(x)
+        if st is None:
+            st = fc.layers[self.cache_layer_idx] = LayerFeatures(
+                k=torch.empty_like(k), v=torch.empty_like(v), attn=torch.empty_like(cap["attn"]),
+                ffn=torch.empty_like(cap["ffn"]),
+            )  # fmt: skip
+        # copies, not references: the buffers are written in place later, the layer's tensors are its own
+        st.k.copy_(k)
+        st.v.copy_(v)
+        st.attn.copy_(cap["attn"])
+        st.ffn.copy_(cap["ffn"])
         full = b * self._full_cost(t)
         fc.layer_flops += full
         fc.layer_flops_full += full
         return out
 
-    def _partial(self, x: torch.Tensor, rot) -> torch.Tensor:
-        """Prompt refresh, response refresh or V-verify step (paper's Methodology; public code's hook)."""
-        fc, ad = self.cache, self.adapter
-        st = fc.layers.get(self.cache_layer_idx)
-        if st is None:
-            raise RuntimeError("dLLM-Cache: partial step before any full refresh (step counter not started)")
-        b, t, _ = x.shape
-        p, r = fc.prompt_length, t - fc.prompt_length
-        dev = x.device
-        fpt = self._fpt
-        flops = 0
-        queries, q_pos = [], []
+    def _partial(self, x: torch.Tensor, st: LayerFeatures, rot) -> torch.Tensor:
+        """Prompt refresh and/or response refresh or V-verify, then attention and FFN for those rows.
 
+        Every other row reuses its cached attention and FFN outputs on the fresh residual stream:
+        ``h = x + attn``, ``out = h + ffn`` (paper's Methodology; both layouts are pre-norm).
+        """
+        fc = self.cache
+        p, t = fc.prompt_length, x.shape[1]
+        parts: list[tuple[slice | torch.Tensor, torch.Tensor]] = []  # (rows, their rotated queries)
         if fc.refresh_prompt:
-            xn_p = ad.attn_norm(x[:, :p])
-            queries.append(ad.q(xn_p))
-            q_pos.append(torch.arange(p, device=dev).expand(b, p))
-            st.k_p, st.v_p = ad.k(xn_p), ad.v(xn_p)
-            flops += p * (fpt["q"] + fpt["k"] + fpt["v"])
-
-        sel = None  # None: all response tokens are recomputed
+            parts.append((slice(0, p), self._refresh(x, st, rot, slice(0, p))))
         if fc.refresh_response:
-            xn_r = ad.attn_norm(x[:, p:])
-            queries.append(ad.q(xn_r))
-            q_pos.append(torch.arange(p, t, device=dev).expand(b, r))
-            st.k_r, st.v_r = ad.k(xn_r), ad.v(xn_r)
-            flops += r * (fpt["q"] + fpt["k"] + fpt["v"])
+            parts.append((slice(p, t), self._refresh(x, st, rot, slice(p, t))))
         elif fc.config.ratio > 0:
-            xn_r = ad.attn_norm(x[:, p:])
-            v_r = ad.v(xn_r)
-            sel = select_response_tokens(v_r, st.v_r, fc.config.ratio)
-            xn_sel = _gather(xn_r, sel)
-            queries.append(ad.q(xn_sel))
-            q_pos.append(sel + p)
-            st.v_r = v_r
-            _scatter_(st.k_r, sel, ad.k(xn_sel))
-            fc.selected += sel.numel()
-            flops += r * fpt["v"] + sel.shape[1] * (fpt["q"] + fpt["k"])
+            parts.append(self._verify(x, st, rot))
+        if parts:
+            self._attend(st, parts)
+        h = x + st.attn
+        if parts:
+            self._ffn(h, st, parts)
+        return h + st.ffn
+
+    def _refresh(self, x: torch.Tensor, st: LayerFeatures, rot, rows: slice) -> torch.Tensor:
+        """Prompt refresh (rows ``[0, P)``, every Kp steps) or response refresh (rows ``[P, T)``, every Kr
+        steps), paper's long-/short-interval caching: fresh K (rotated) and V into the buffers.
+
+        Returns:
+            the rows' rotated queries ``[B, n, num_heads, head_dim]``.
+        """
+        ad, fpt = self.adapter, self._fpt
+        xn = ad.attn_norm(x[:, rows])
+        q, k = ad.rope(ad.q(xn), ad.k(xn), rot, rows)
+        st.k[:, rows] = k
+        st.v[:, rows] = ad.v(xn)
+        self._spend(xn.shape[1] * (fpt["q"] + fpt["k"] + fpt["v"]), x.shape[0])
+        return q
+
+    def _verify(self, x: torch.Tensor, st: LayerFeatures, rot) -> tuple[torch.Tensor, torch.Tensor]:
+        """V-verify (paper's adaptive partial response update): fresh V for every response row into the
+        buffer; fresh K for the ``ratio`` fraction whose V moved most (lowest cosine similarity).
+
+        Returns:
+            ``(positions, q)``: ``[B, k]`` int64 absolute positions of the selected rows and their
+            rotated queries ``[B, k, num_heads, head_dim]``.
+        """
+        fc, ad, fpt = self.cache, self.adapter, self._fpt
+        p = fc.prompt_length
+        xn = ad.attn_norm(x[:, p:])
+        v = ad.v(xn)
+        sel = select_response_tokens(v, st.v[:, p:], fc.config.ratio)
+        st.v[:, p:] = v
+        xn_sel = _gather(xn, sel)
+        pos = sel + p
+        q, k = ad.rope(ad.q(xn_sel), ad.k(xn_sel), rot, pos)
+        _scatter_(st.k, pos, k)
+        fc.selected += sel.numel()
+        self._spend(xn.shape[1] * fpt["v"] + sel.shape[1] * (fpt["q"] + fpt["k"]), x.shape[0])
+        return pos, q
+
+    def _attend(self, st: LayerFeatures, parts) -> None:
+        """Attention of the recomputed rows' queries over all cached keys/values; writes ``st.attn`` rows."""
+        fc, ad = self.cache, self.adapter
+        q = parts[0][1] if len(parts) == 1 else torch.cat([q for _, q in parts], 1)
+        b, n, t = q.shape[0], q.shape[1], st.k.shape[1]
+        mask = None if fc.key_mask is None else fc.key_mask[:, None, None, :]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), st.k.transpose(1, 2), st.v.transpose(1, 2),
+            attn_mask=mask, scale=ad.scaling, enable_gqa=ad.num_kv_heads != ad.num_heads,
+        )  # fmt: skip
+        o = ad.attn_out(o.transpose(1, 2).reshape(b, n, ad.num_heads * ad.head_dim))
+        _write_rows(st.attn, parts, o)
+        self._spend(n * self._fpt["o"] + ad.attention_flops(n, t), b)
+
+    def _ffn(self, h: torch.Tensor, st: LayerFeatures, parts) -> None:
+        """FFN of the recomputed rows of the post-attention stream ``h``; writes ``st.ffn`` rows."""
+        rows = [h[:, r] if isinstance(r, slice) else _gather(h, r) for r, _ in parts]
+        f = self.adapter.ffn(rows[0] if len(rows) == 1 else torch.cat(rows, 1))
+        _write_rows(st.ffn, parts, f)
+        self._spend(f.shape[1] * self._fpt["ffn"], h.shape[0])
+
+
+def _write_rows(buf: torch.Tensor, parts, values: torch.Tensor) -> None:
+    """Write ``values`` ``[B, n1 + n2 ..., ...]`` into the rows of ``buf`` named by ``parts``, in order."""
+    start = 0
+    for rows, q in parts:
+        n = q.shape[1]
+        if isinstance(rows, slice):
+            buf[:, rows] = values[:, start : start + n]
         else:
-            sel = torch.empty(b, 0, dtype=torch.long, device=dev)
-
-        if queries:
-            q = torch.cat(queries, 1)
-            pos = torch.cat(q_pos, 1)
-            k_all = torch.cat([st.k_p, st.k_r], 1)
-            v_all = torch.cat([st.v_p, st.v_r], 1)
-            q = ad.rope(q, pos, rot)
-            k_all = ad.rope(k_all, torch.arange(t, device=dev).expand(b, t), rot)
-            mask = None if fc.key_mask is None else fc.key_mask[:, None, None, :]
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
-                attn_mask=mask, scale=ad.scaling, enable_gqa=ad.num_kv_heads != ad.num_heads,
-            )  # fmt: skip
-            o = ad.attn_out(o.transpose(1, 2).reshape(b, q.shape[1], ad.num_heads * ad.head_dim))
-            n_q = q.shape[1]
-            flops += n_q * fpt["o"] + ad.attention_flops(n_q, t)
-            if fc.refresh_prompt:
-                st.attn_p, o = o[:, :p], o[:, p:]
-            if sel is None:
-                st.attn_r = o
-            else:
-                _scatter_(st.attn_r, sel, o)
-
-        h = x + torch.cat([st.attn_p, st.attn_r], 1)
-
-        ffn_in = []
-        if fc.refresh_prompt:
-            ffn_in.append(h[:, :p])
-        if sel is None:
-            ffn_in.append(h[:, p:])
-        elif sel.shape[1]:
-            ffn_in.append(_gather(h[:, p:], sel))
-        if ffn_in:
-            f = ad.ffn(torch.cat(ffn_in, 1))
-            flops += f.shape[1] * fpt["ffn"]
-            if fc.refresh_prompt:
-                st.ffn_p, f = f[:, :p], f[:, p:]
-            if sel is None:
-                st.ffn_r = f
-            elif sel.shape[1]:
-                _scatter_(st.ffn_r, sel, f)
-
-        fc.layer_flops += b * flops
-        fc.layer_flops_full += b * self._full_cost(t)
-        return h + torch.cat([st.ffn_p, st.ffn_r], 1)
+            _scatter_(buf, rows, values[:, start : start + n])
+        start += n
 
 
 @contextlib.contextmanager

@@ -33,10 +33,12 @@ def register(subparsers) -> None:
     p.add_argument("--block-length", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--remasking", default="low_confidence", choices=["low_confidence", "random"])
-    p.add_argument("--mask-id", type=int, help="[MASK] token id (default: config.mask_token_id)")
+    p.add_argument("--mask-id", type=int, help="[MASK] token id (default: the model's config.mask_token_id)")
     p.add_argument("--kp", type=int, default=50, help="prompt_interval Kp (default 50)")
     p.add_argument("--kr", type=int, default=7, help="response_interval Kr (default 7)")
     p.add_argument("--ratio", type=float, default=0.25, help="V-verify ratio rho (default 0.25)")
+    p.add_argument("--small-batch-linear", action="store_true",
+                   help="run the cache's partial steps under river_hf.kernels.SmallBatchLinear (fp32 CPU)")
     p.add_argument("--no-cache", action="store_true", help="uncached generation only")
     p.add_argument("--compare", action="store_true", help="also run uncached; report speedup and agreement")
     p.add_argument("--seed", type=int, default=0)
@@ -95,12 +97,13 @@ def handler(args) -> int:
     import torch
 
     from .cache import DLLMCacheConfig
-    from .denoising import generate
+    from .denoising import generate, mask_token_id
 
     model, tok = _load(args)
-    mask_id = args.mask_id if args.mask_id is not None else getattr(model.config, "mask_token_id", None)
+    mask_id = args.mask_id if args.mask_id is not None else mask_token_id(model)
     if mask_id is None:
-        raise RiverError("the model config has no mask_token_id; pass --mask-id (LLaDA 126336, Dream 151666)")
+        raise RiverError("the model has no mask_token_id in its config or generation_config; "
+                         "pass --mask-id (LLaDA 126336, Dream 151666)")
     vocab = model.config.vocab_size
     if not 0 <= mask_id < vocab:
         raise RiverError(f"--mask-id {mask_id} is outside this model's vocabulary (0..{vocab - 1}); "
@@ -126,11 +129,12 @@ def handler(args) -> int:
     kw = dict(steps=args.steps, gen_length=args.gen_length, block_length=args.block_length,
               temperature=args.temperature, remasking=args.remasking, mask_id=mask_id,
               progress=not args.json, return_stats=True)  # fmt: skip
-    cache = None if args.no_cache else DLLMCacheConfig(args.kp, args.kr, args.ratio)
+    cache = None if args.no_cache else DLLMCacheConfig(args.kp, args.kr, args.ratio, args.small_batch_linear)
 
     def run(c):
         gen = torch.Generator().manual_seed(args.seed)
-        return generate(model, ids, cache=c, generator=gen, **kw)
+        res = generate(model, ids, cache=c, generator=gen, **kw)
+        return res.sequences, res.stats
 
     out, stats = run(cache)
     result = {"model": args.model, "prompt_ids": ids[0].tolist(), "tokens": out[0, ids.shape[1] :].tolist(), "stats": stats}

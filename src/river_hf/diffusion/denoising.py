@@ -25,15 +25,38 @@ predicted; [MASK] tokens inside the prompt stay as they are (the prompt is condi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
+from dataclasses import dataclass
 
 import torch
+from transformers.utils import ModelOutput
 
 from ..errors import RiverError
 from .cache import DLLMCacheConfig, attach_cache, uncached_layer_flops
 
-__all__ = ["generate", "num_transfer_tokens"]
+__all__ = ["DiffusionGenerationOutput", "generate", "mask_token_id", "num_transfer_tokens"]
+
+
+@dataclass
+class DiffusionGenerationOutput(ModelOutput):
+    """What :func:`generate` returns (a transformers ``ModelOutput``: attribute, key and index access).
+
+    Attributes:
+        sequences: ``[B, P + G]`` int64, each prompt followed by its answer (with ``max_blocks``, the
+            answer positions of blocks not run stay [MASK]).
+        stats: with ``return_stats=True``, a dict: ``steps`` (model forwards), ``seconds`` (wall time
+            of the denoising loop), ``tokens_per_s`` (generated tokens of all rows per second),
+            ``layer_flops`` (decoder-layer FLOPs spent, None when the layout is unknown),
+            ``layer_flops_full`` (what uncached would spend), ``flops_ratio`` (full / spent), and with a
+            cache ``refresh_counts``, ``selected_tokens`` (V-verify rows, summed over layers and rows),
+            ``cache`` (its settings) and, with ``small_batch_linear``, ``small_batch_linear_calls``
+            (Linear calls it rerouted). None otherwise.
+    """
+
+    sequences: torch.LongTensor | None = None
+    stats: dict | None = None
 
 
 def num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
@@ -51,6 +74,35 @@ def num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
     out = base.expand(-1, steps).clone()
     out += (torch.arange(steps, device=n.device)[None, :] < rem).long()
     return out
+
+
+def mask_token_id(model) -> int | None:
+    """The model's [MASK] token id: ``model.config.mask_token_id``, else
+    ``model.generation_config.mask_token_id`` (where Dream's remote code keeps it); None when neither has one."""
+    for cfg in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        value = getattr(cfg, "mask_token_id", None)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def _resolve_mask_id(model, mask_id: int | None) -> int:
+    """``mask_id`` or the model's own (:func:`mask_token_id`), checked against the vocabulary.
+
+    Raises:
+        RiverError: none given and none in the model's configs, or an id outside ``[0, vocab_size)``.
+    """
+    if mask_id is None:
+        mask_id = mask_token_id(model)
+        if mask_id is None:
+            raise RiverError(f"{type(model).__name__} has no mask_token_id in its config or generation_config; "
+                             "pass mask_id= (LLaDA-8B 126336, Dream-7B 151666)")  # fmt: skip
+    if isinstance(mask_id, bool) or not isinstance(mask_id, int):
+        raise RiverError(f"mask_id must be an int token id, got {mask_id!r}")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if mask_id < 0 or (isinstance(vocab, int) and mask_id >= vocab):
+        raise RiverError(f"mask_id {mask_id} is outside the vocabulary [0, {vocab}); use the model's [MASK] id")
+    return mask_id
 
 
 def _accepts(model, name: str) -> bool:
@@ -100,7 +152,7 @@ def generate(
     block_length: int,
     temperature: float = 0.0,
     remasking: str = "low_confidence",
-    mask_id: int,
+    mask_id: int | None = None,
     cache: DLLMCacheConfig | None = None,
     attention_mask: torch.Tensor | None = None,
     shift_logits: bool | None = None,
@@ -122,104 +174,123 @@ def generate(
         block_length: tokens per semi-autoregressive block.
         temperature: Gumbel-noise temperature; 0 = greedy (deterministic).
         remasking: ``"low_confidence"`` or ``"random"``.
-        mask_id: the [MASK] token id (LLaDA 126336, Dream 151666).
+        mask_id: the [MASK] token id (LLaDA 126336, Dream 151666); None = the model's own
+            (:func:`mask_token_id`: ``config.mask_token_id``, else ``generation_config.mask_token_id``).
         cache: a :class:`DLLMCacheConfig` to serve the layers through dLLM-Cache; None = uncached.
         attention_mask: ``[B, P]`` (1 = token, 0 = padding) or None.
         shift_logits: Dream convention (see module doc); None = auto from the config.
         generator: torch generator for Gumbel noise and random remasking (None: global RNG).
         progress: show a tqdm bar over denoising steps.
-        return_stats: also return a stats dict.
+        return_stats: also fill ``stats`` (see :class:`DiffusionGenerationOutput`).
         max_blocks: stop after this many blocks (later answer positions stay [MASK]); for timing a
             long schedule on a slow machine. None = all blocks.
 
     Returns:
-        ``[B, P + G]`` int64 sequences (prompt followed by the answer); with ``return_stats``,
-        ``(sequences, stats)`` where stats has ``steps``, ``seconds``, ``tokens_per_s`` (generated
-        tokens of all rows per second), ``layer_flops`` (decoder-layer FLOPs spent, None when the
-        layout is unknown), ``layer_flops_full`` (what uncached would spend), ``flops_ratio``
-        (full / spent), and with a cache ``refresh_counts`` and ``selected_tokens`` (V-verify).
+        a :class:`DiffusionGenerationOutput`: ``.sequences`` ``[B, P + G]`` int64 (prompt followed by
+        the answer) and, with ``return_stats``, ``.stats``.
 
     Raises:
-        RiverError: inconsistent lengths, bad mask, unknown remasking, unsupported layer layout.
+        RiverError: inconsistent lengths, bad mask, unknown remasking, unsupported layer layout, no
+            [MASK] id given or found in the model's configs, or one outside the vocabulary.
     """
     _check(input_ids, attention_mask, steps, gen_length, block_length, temperature, remasking, cache)
+    mask_id = _resolve_mask_id(model, mask_id)
     device = next(model.parameters()).device
-    input_ids = input_ids.to(device)
     b, p = input_ids.shape
-    t_total = p + gen_length
     if shift_logits is None:
         cfg = getattr(model, "config", None)
         shift_logits = bool(getattr(cfg, "shift_logits", False)) or getattr(cfg, "model_type", "") == "dream"
-
-    x = torch.full((b, t_total), mask_id, dtype=torch.long, device=device)
-    x[:, :p] = input_ids
-    full_mask = None
-    if attention_mask is not None and not bool(attention_mask.all()):
-        full_mask = torch.cat([attention_mask.to(device).long(), torch.ones(b, gen_length, dtype=torch.long, device=device)], 1)
-    key_mask = None if full_mask is None else full_mask.bool()
-
+    x, full_mask = _initial_sequence(input_ids.to(device), attention_mask, gen_length, mask_id)
     num_blocks = gen_length // block_length
     steps_per_block = steps // num_blocks
     run_blocks = num_blocks if max_blocks is None else max(0, min(num_blocks, int(max_blocks)))
     use_keep = _accepts(model, "logits_to_keep")
 
-    ctx = attach_cache(model, cache, p, key_mask) if cache is not None else None
-    fc = ctx.__enter__() if ctx is not None else None
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    with contextlib.ExitStack() as stack:
+        fc = None
+        if cache is not None:
+            key_mask = None if full_mask is None else full_mask.bool()
+            fc = stack.enter_context(attach_cache(model, cache, p, key_mask))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=run_blocks * steps_per_block, desc="denoising" + (" (dLLM-Cache)" if cache else ""), unit="step")
-    t0 = time.perf_counter()
-    try:
+            desc = "denoising" + (" (dLLM-Cache)" if cache else "")
+            bar = stack.enter_context(tqdm(total=run_blocks * steps_per_block, desc=desc, unit="step"))
+        t0 = time.perf_counter()
         for blk in range(run_blocks):
-            lo, hi = p + blk * block_length, p + (blk + 1) * block_length
-            n_transfer = num_transfer_tokens(x[:, lo:hi] == mask_id, steps_per_block)
-            # positions whose logits predict the block (Dream: one to the left)
-            keep = torch.arange(lo, hi, device=device) - int(shift_logits)
+            lo = p + blk * block_length
+            n_transfer = num_transfer_tokens(x[:, lo : lo + block_length] == mask_id, steps_per_block)
             for i in range(steps_per_block):
                 if fc is not None:
                     fc.next_step()
-                kwargs = {"attention_mask": full_mask}
-                if use_keep:
-                    kwargs["logits_to_keep"] = keep
-                logits = model(input_ids=x, **kwargs).logits
-                if not use_keep:
-                    logits = logits[:, keep]
-                logits = logits.clone()
-                logits[..., mask_id] = float("-inf")
-                _denoise_step(x, logits, lo, hi, n_transfer[:, i], temperature, remasking, mask_id, generator)
+                logits = _block_logits(model, x, lo, lo + block_length, full_mask, shift_logits, use_keep, mask_id)
+                _denoise_step(x, logits, lo, lo + block_length, n_transfer[:, i], temperature, remasking, mask_id,
+                              generator)  # fmt: skip
                 if bar is not None:
                     bar.update(1)
         seconds = time.perf_counter() - t0
-    finally:
-        if bar is not None:
-            bar.close()
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
 
     if not return_stats:
-        return x
-    steps_run = run_blocks * steps_per_block
-    per_forward = uncached_layer_flops(model, t_total)
-    full = None if per_forward is None else per_forward * b * steps_run
-    spent = fc.layer_flops if fc is not None else full
-    if fc is not None:
-        full = fc.layer_flops_full
+        return DiffusionGenerationOutput(sequences=x)
+    stats = _stats(model, fc, b, p + gen_length, run_blocks * steps_per_block, b * run_blocks * block_length, seconds)
+    return DiffusionGenerationOutput(sequences=x, stats=stats)
+
+
+def _initial_sequence(input_ids, attention_mask, gen_length, mask_id):
+    """The prompt followed by ``gen_length`` [MASK] ids, and the key padding mask over all positions.
+
+    Returns:
+        ``x`` ``[B, P + G]`` int64 and ``full_mask`` ``[B, P + G]`` int64 (1 = token, 0 = padding), or
+        None when nothing is padded.
+    """
+    b, p = input_ids.shape
+    x = torch.full((b, p + gen_length), mask_id, dtype=torch.long, device=input_ids.device)
+    x[:, :p] = input_ids
+    if attention_mask is None or bool(attention_mask.all()):
+        return x, None
+    answer = torch.ones(b, gen_length, dtype=torch.long, device=x.device)
+    return x, torch.cat([attention_mask.to(x.device).long(), answer], 1)
+
+
+def _block_logits(model, x, lo, hi, full_mask, shift_logits, use_keep, mask_id):
+    """One model forward; the logits predicting block ``[lo, hi)`` (Dream: read one position to the left),
+    ``[B, hi - lo, vocab]``, with the [MASK] id set to -inf so it is never predicted."""
+    keep = torch.arange(lo, hi, device=x.device) - int(shift_logits)
+    kwargs = {"attention_mask": full_mask}
+    if use_keep:
+        kwargs["logits_to_keep"] = keep
+    logits = model(input_ids=x, **kwargs).logits
+    if not use_keep:
+        logits = logits[:, keep]  # an index tensor: a copy, so the in-place write below is safe
+    logits[..., mask_id] = float("-inf")
+    return logits
+
+
+def _stats(model, fc, batch, tokens, steps_run, generated, seconds) -> dict:
+    """The stats dict of :func:`generate` (see its Returns)."""
+    if fc is None:
+        per_forward = uncached_layer_flops(model, tokens)
+        spent = full = None if per_forward is None else per_forward * batch * steps_run
+    else:
+        spent, full = fc.layer_flops, fc.layer_flops_full
     stats = {
         "steps": steps_run,
         "seconds": seconds,
-        "tokens_per_s": b * run_blocks * block_length / seconds if seconds > 0 else float("inf"),
+        "tokens_per_s": generated / seconds if seconds > 0 else float("inf"),
         "layer_flops": spent,
         "layer_flops_full": full,
         "flops_ratio": (full / spent) if spent else None,
     }
     if fc is not None:
+        cfg = fc.config
         stats["refresh_counts"] = dict(fc.refresh_counts)
         stats["selected_tokens"] = fc.selected
-        stats["cache"] = {"prompt_interval": cache.prompt_interval, "response_interval": cache.response_interval,
-                          "ratio": cache.ratio}  # fmt: skip
-    return x, stats
+        stats["cache"] = {"prompt_interval": cfg.prompt_interval, "response_interval": cfg.response_interval,
+                          "ratio": cfg.ratio, "small_batch_linear": cfg.small_batch_linear}  # fmt: skip
+        if fc.linear_mode is not None:
+            stats["small_batch_linear_calls"] = fc.linear_mode.calls_rerouted
+    return stats
 
 
 def _denoise_step(x, logits, lo, hi, n_transfer, temperature, remasking, mask_id, generator) -> None:

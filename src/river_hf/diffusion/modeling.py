@@ -11,7 +11,7 @@ position. They are registered with ``AutoConfig`` and ``AutoModelForMaskedLM``, 
 * :class:`LLaDALayoutForMaskedLM` (``model_type="river_llada_layout"``): a re-implementation of
   LLaDA's remote-code ``LLaDALlamaBlock`` layout with the same module names and rotary interface.
 
-:func:`build_test_model` makes random-weight instances ("tiny" for tests, "1b" for speed).
+:func:`build_test_model` makes random-weight instances ("tiny" for tests, "300m" and "1b" for speed).
 Random weights measure speed only; generation quality needs real weights.
 """
 
@@ -279,9 +279,12 @@ AutoModelForMaskedLM.register(LLaDALayoutConfig, LLaDALayoutForMaskedLM, exist_o
 
 #: Shapes of the random-weight instances. "1b": about 1.1e9 parameters (0.62e9 in the 12 blocks,
 #: the rest in LLaDA's 126464-token embedding and LM head), d_model 2048, 16 heads of 128, SwiGLU 5632.
+#: "300m": about 0.30e9 parameters (0.23e9 in 18 blocks of d_model 1024, 16 heads of 64, SwiGLU 2816,
+#: LLaDA's FFN ratio; a 32768-token vocabulary, so the blocks keep most of the weights as in "1b").
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128),
     "small": dict(vocab=1024, hidden=256, layers=4, heads=8, kv_heads=8, ffn=688),
+    "300m": dict(vocab=32768, hidden=1024, layers=18, heads=16, kv_heads=16, ffn=2816),
     "1b": dict(vocab=126464, hidden=2048, layers=12, heads=16, kv_heads=16, ffn=5632),
 }
 
@@ -292,7 +295,7 @@ def build_test_model(layout: str = "llada", size: str = "tiny", *, seed: int = 0
 
     Args:
         layout: ``"llada"`` (LLaDA block layout) or ``"llama"`` (transformers Llama layers, Dream-like).
-        size: ``"tiny"``, ``"small"`` or ``"1b"`` (see :data:`SIZES`).
+        size: ``"tiny"``, ``"small"``, ``"300m"`` or ``"1b"`` (see :data:`SIZES`).
         seed: torch seed for the weights.
         dream: set ``shift_logits`` (Dream convention) in the config.
         dtype: parameter dtype.
