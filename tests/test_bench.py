@@ -19,19 +19,26 @@ def test_bench_json_png_and_exact_row(tiny_folder, tmp_path):
     report = json.loads(out.read_text())
     png = tmp_path / report["png"]
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert [r["label"] for r in report["rows"]] == ["unmodified", "4-bit", "τ=2", "τ=0.5"]
-    for key in ("model", "taus", "new_tokens", "prompts", "repeats", "versions", "wall_s", "device"):
+    labels = [r["label"] for r in report["rows"]]
+    assert labels[0] == "unmodified" and labels[-2:] == ["τ=2", "τ=0.5"]
+    assert "fully int4" in labels  # the fully 4-bit copy (the tiny model's exit layers are quanto)
+    for key in ("model", "taus", "new_tokens", "prompts", "repeats", "versions", "wall_s", "device", "kernels",
+                "bandwidth_limit_gb_s", "river_config", "checkpoint_note"):
         assert key in report
+    assert report["bandwidth_limit_gb_s"] > 0
     rows = {r["label"]: r for r in report["rows"]}
     for r in report["rows"]:
-        assert len(r["tokens_per_s_runs"]) == 2 and r["tokens_per_s"] > 0 and r["ttft_s"] > 0
-        assert r["weight_bytes_per_token"] > 0 and r["bandwidth_gb_s"] > 0
+        d = r["decode_tokens_per_s"]
+        assert len(d["runs"]) == 2 and d["min"] <= d["median"] <= d["max"] and d["median"] > 0
+        assert r["ttft_s"]["median"] > 0 and r["new_tokens"] == 2 * 3
+        assert r["weight_bytes_per_token"] > 0 and r["bandwidth_gb_s"] > 0 and 0 < r["bandwidth_share"]
         assert 0.0 <= r["next_token_match"] <= 1.0
-    assert rows["unmodified"]["ratio_to_unmodified"] == 1.0
+        assert r["verdict"] in ("reference", "faster", "slower", "not resolved")
+    assert rows["unmodified"]["speedup"]["runs"] == [1.0, 1.0] and rows["unmodified"]["verdict"] == "reference"
     assert rows["τ=2"]["next_token_match"] == 1.0 and rows["τ=2"]["mean_exit_layer"] == 4.0
-    assert rows["4-bit"]["mean_exit_layer"] == 0.0
-    # The 4-bit model reads fewer weight bytes per token than the unmodified one.
-    assert rows["4-bit"]["weight_bytes_per_token"] < rows["unmodified"]["weight_bytes_per_token"]
+    assert rows["fully int4"]["mean_exit_layer"] == 0.0
+    # The fully 4-bit model reads fewer weight bytes per step than the unmodified one.
+    assert rows["fully int4"]["weight_bytes_per_token"] < rows["unmodified"]["weight_bytes_per_token"]
 
     # --plot-only redraws from the report, merging reports of the same task into one panel.
     other = tmp_path / "eval2.json"

@@ -75,7 +75,7 @@ def next_token_agreement(
     matches = int((river_logits.argmax(-1) == ref_logits.argmax(-1)).sum())
     ref_logp = torch.log_softmax(ref_logits, -1)
     kl = (ref_logp.exp() * (ref_logp - torch.log_softmax(river_logits, -1))).sum(-1)
-    decode = [e for (_, _, e) in model.river.log[1:]]
+    decode = [entry[2] for entry in model.river.log[1:]]
     L = model.river.num_layers
     return {
         "positions": n,

@@ -6,7 +6,7 @@ import sys
 import time
 
 from ..errors import RiverError
-from .common import positive_int
+from .common import add_river_arguments, positive_int
 
 #: Default new-token budget per task.
 MAX_NEW_TOKENS = {"gsm8k": 256, "humaneval": 384, "agreement": 64}
@@ -38,13 +38,14 @@ def register(subparsers) -> None:
     p.add_argument("--allow-code-execution", action="store_true",
                    help="humaneval only: allow running model-written code (subprocess with a timeout)")
     p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program (default: %(default)s)")
+    add_river_arguments(p)
     p.add_argument("--out", default=None, help="JSON report path (default: eval_<task>_<model>.json)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=handler)
 
 
 def handler(args) -> int:
-    from .common import check_output_path, load_river_model, log, parse_taus, versions, write_json
+    from .common import check_output_path, load_river_model, log, parse_taus, river_overrides, versions, write_json
 
     taus = parse_taus(args.tau)
     if args.task == "humaneval" and not args.allow_code_execution:
@@ -61,7 +62,8 @@ def handler(args) -> int:
     from .tasks import TASKS
 
     start = time.perf_counter()
-    model, tokenizer, default_tau = load_river_model(args.model, taus[0] if taus else None, progress=progress)
+    model, tokenizer, default_tau = load_river_model(args.model, taus[0] if taus else None, progress=progress,
+                                                     **river_overrides(args))
     taus = taus or [default_tau]
     kwargs = dict(max_new_tokens=max_new, progress=progress)
     if args.task == "gsm8k":

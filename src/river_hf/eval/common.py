@@ -25,6 +25,39 @@ def positive_int(text: str) -> int:
     return value
 
 
+#: kernel choices the CLI offers for --backend / --exit-head (river_hf.quant.BACKENDS), without importing torch.
+KERNEL_CHOICES = ("int8", "int4", "torch-int8", "torch-int4", "quanto-int8", "quanto-int4", "quanto", "copy")
+
+
+def add_river_arguments(p, *, min_layer: bool = True) -> None:
+    """The River settings every model-loading subcommand takes (defaults: the model's configs/ file)."""
+    if min_layer:
+        p.add_argument("--min-layer", type=positive_int, default=None,
+                       help="backbone layers always run before an exit is considered (default: per-model config)")
+    p.add_argument("--backend", default=None, choices=KERNEL_CHOICES, metavar="KERNEL",
+                   help="exit-layer kernels: int8 / int4 (fastest of that width per shape, measured here), or one of "
+                        "torch-int8, torch-int4, quanto-int8, quanto-int4, copy (default: per-model config)")
+    p.add_argument("--exit-head", default=None, choices=KERNEL_CHOICES + ("none",), metavar="KERNEL",
+                   help="quantized copy of the LM head for steps that left the backbone: int4, int8, a kernel name, "
+                        "or none (default: per-model config)")
+    p.add_argument("--prefill", default=None, choices=("route", "backbone"),
+                   help="route: the prompt pass may exit (sequence-level); backbone: the prompt runs on the backbone "
+                        "(default: per-model config)")
+
+
+def river_overrides(args) -> dict:
+    """``RiverForCausalLM.from_pretrained`` keyword arguments for the River options that were given."""
+    out = {}
+    for name in ("min_layer", "backend", "prefill"):
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = value
+    head = getattr(args, "exit_head", None)
+    if head is not None:
+        out["exit_head"] = None if head == "none" else head
+    return out
+
+
 def parse_taus(values) -> list[float]:
     """τ values from CLI strings: each may be one number or a comma list (``["2", "0.95,0.9"]``).
 
@@ -69,8 +102,9 @@ def versions() -> dict:
     return out
 
 
-def load_river_model(name_or_key: str, tau: float | None = None, progress: bool = True):
+def load_river_model(name_or_key: str, tau: float | None = None, progress: bool = True, **river_settings):
     """Load ``(model, tokenizer, default_tau)`` with River enabled; weights in float32 on CPU.
+    ``river_settings``: overrides (``backend``, ``exit_head``, ``prefill``, ``min_layer``).
 
     ``default_tau`` is the τ of ``configs/<key>.json`` (the per-model default). Raises RiverError
     for an unknown model.
@@ -83,7 +117,7 @@ def load_river_model(name_or_key: str, tau: float | None = None, progress: bool 
 
     path = resolve(name_or_key, progress=progress)
     kwargs = {} if torch.cuda.is_available() else {"dtype": torch.float32}
-    model = RiverForCausalLM.from_pretrained(name_or_key, tau=tau, progress=progress, **kwargs)
+    model = RiverForCausalLM.from_pretrained(name_or_key, tau=tau, progress=progress, **river_settings, **kwargs)
     default_tau = model.river_config.tau if tau is None else None
     if default_tau is None:
         from ..river import default_config

@@ -6,19 +6,29 @@ original layer (backbone) and its quantized copy (exit layer). Both carry the sa
 so whichever runs reads and writes that layer's slot of the one KV cache (River-LLM "KV share":
 a token that left the backbone early still leaves complete KV for every later token).
 
+The LM head is wrapped the same way (:class:`RiverHead`): a step whose forward pass left the
+backbone reads its logits through the quantized *exit head*, a step that stayed on the backbone
+through the original head (so τ > 1 stays token-identical to the unmodified model).
+
 One :class:`RiverRouter` per model holds the decision of the current forward pass.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
 
 from .controllers import ExitRuleList
 
-__all__ = ["RiverRouter", "RiverLayer", "ROUTE", "BACKBONE_ONLY", "EXIT_ONLY"]
+__all__ = ["RiverRouter", "RiverLayer", "RiverHead", "ROUTE", "BACKBONE_ONLY", "EXIT_ONLY", "PREFILL_POLICIES"]
 
 ROUTE, BACKBONE_ONLY, EXIT_ONLY = "route", "backbone", "exit"
+#: ``route``: a multi-token pass (prefill) takes the exit decision once for the whole sequence
+#: (River-LLM's sequence-level exit); ``backbone``: it always runs on the backbone (exact KV for
+#: the prompt), and only one-token decode steps may exit.
+PREFILL_POLICIES = ("route", "backbone")
 
 
 class RiverRouter:
@@ -31,21 +41,27 @@ class RiverRouter:
             exit copy: the fully quantized model, for comparisons).
         exit_layer: for the pass in flight, index of the first layer served by its exit copy
             (= number of backbone layers run); L when the pass never left the backbone.
-        log: one ``(batch, tokens, exit_layer)`` triple per forward pass since the last reset.
+        prefill: how multi-token passes are routed (:data:`PREFILL_POLICIES`).
+        log: one ``(batch, tokens, exit_layer, end_time)`` tuple per forward pass since the last
+            reset (``end_time``: ``time.perf_counter()`` seconds when the pass finished).
     """
 
-    def __init__(self, rules: ExitRuleList, num_layers: int):
+    def __init__(self, rules: ExitRuleList, num_layers: int, prefill: str = "route"):
         self.rules = rules
         self.num_layers = num_layers
         self.mode = ROUTE
+        self.prefill = prefill
         self.exited = False
+        self._stay = False
         self.exit_layer = num_layers
-        self.log: list[tuple[int, int, int]] = []
+        self.log: list[tuple[int, int, int, float]] = []
         self._mask = None
         self._token_mask = None
 
-    def begin(self, attention_mask) -> None:
-        """Start a forward pass. ``attention_mask``: the model's 2-D ``[batch, past+tokens]`` mask or None."""
+    def begin(self, attention_mask, tokens: int = 1) -> None:
+        """Start a forward pass of ``tokens`` new tokens per row. ``attention_mask``: the model's
+        2-D ``[batch, past+tokens]`` mask or None."""
+        self._stay = self.mode == BACKBONE_ONLY or (tokens > 1 and self.prefill == BACKBONE_ONLY)
         self.exited = self.mode == EXIT_ONLY
         self.exit_layer = 0 if self.exited else self.num_layers
         self._mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
@@ -53,7 +69,7 @@ class RiverRouter:
 
     def after_backbone(self, layer_idx: int, hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> None:
         """Ask the rules whether the layers after ``layer_idx`` run as exit layers."""
-        if self.mode != ROUTE or layer_idx + 1 >= self.num_layers:
+        if self.mode != ROUTE or self._stay or layer_idx + 1 >= self.num_layers:
             return
         if self.rules(layer_idx, hidden_in, hidden_out, self._tokens(hidden_in.shape[1])):
             self.exited = True
@@ -61,7 +77,7 @@ class RiverRouter:
 
     def end(self, batch: int, tokens: int, cache=None) -> None:
         """Finish a forward pass: log it, and tell a :class:`RiverCache` who served each layer."""
-        self.log.append((batch, tokens, self.exit_layer))
+        self.log.append((batch, tokens, self.exit_layer, time.perf_counter()))
         if hasattr(cache, "record_exit_layer"):
             cache.record_exit_layer(self.exit_layer, tokens)
 
@@ -110,5 +126,34 @@ class RiverLayer(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             if name in ("backbone", "exit_layer") or "backbone" not in self._modules:
+                raise
+            return getattr(self._modules["backbone"], name)
+
+
+class RiverHead(nn.Module):
+    """The LM head, routed: the original head (``backbone``) for a pass that stayed on the backbone,
+    the quantized ``exit_head`` for a pass that left it (or when ``exit_head`` is None, the original
+    head always). Called like the head: ``[batch, tokens, hidden]`` -> ``[batch, tokens, vocab]``.
+
+    The original head is kept as is (a head tied to the input embeddings stays tied); attributes
+    such as ``weight`` are looked up on it.
+    """
+
+    def __init__(self, backbone: nn.Module, exit_head: nn.Module | None, router: RiverRouter):
+        super().__init__()
+        self.backbone = backbone
+        self.exit_head = exit_head
+        self.router = router
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.exit_head is not None and self.router.exited:
+            return self.exit_head(hidden_states)
+        return self.backbone(hidden_states)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("backbone", "exit_head") or "backbone" not in self._modules:
                 raise
             return getattr(self._modules["backbone"], name)

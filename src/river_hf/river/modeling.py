@@ -26,7 +26,7 @@ from ..errors import RiverError
 from ..quant import get_backend, linear_weight_bytes
 from .cache import RiverCache
 from .controllers import ExitRuleList, MinLayerRule, StateTransitionSimilarityRule, rules_from_config
-from .layer import BACKBONE_ONLY, EXIT_ONLY, ROUTE, RiverLayer, RiverRouter
+from .layer import BACKBONE_ONLY, EXIT_ONLY, PREFILL_POLICIES, ROUTE, RiverHead, RiverLayer, RiverRouter
 from .offload import build_exit_layer, loading_kwargs, offload_backbone
 from .serialization import RiverPretrainedMixin, check_base_weights, saved_river_config
 
@@ -46,7 +46,16 @@ class RiverConfig:
         tau: state-transition-similarity threshold τ; the rest of the layers run as exit layers
             once a backbone layer's similarity exceeds it. ``tau > 1`` never exits (exactness).
         min_layer: backbone layers that always run before an exit is considered (>= 1).
-        backend: quantization backend of the exit layers (see :mod:`river_hf.quant`).
+        backend: kernel choice of the exit layers' Linears (:func:`river_hf.quant.get_backend`):
+            ``int8`` / ``int4`` (fastest kernel of that width per shape, measured on this machine),
+            or one kernel (``torch-int8``, ``torch-int4``, ``quanto-int4`` = ``quanto``,
+            ``quanto-int8``, ``copy``).
+        exit_head: kernel choice of the *exit head*, a quantized copy of the LM head that serves
+            every step whose forward pass left the backbone (same names as ``backend``); None: the
+            original head serves every step. The backbone path always keeps the original head.
+        prefill: ``route`` (the prompt pass takes River's sequence-level exit decision) or
+            ``backbone`` (the prompt runs on the backbone: exact KV for the prompt; only decode
+            steps exit).
         rules: explicit exit-rule list (``ExitRuleList.to_list()``); when set it replaces the
             rules built from ``tau`` and ``min_layer``.
         offload_from: first backbone layer kept off the compute device (None: no offload).
@@ -56,6 +65,8 @@ class RiverConfig:
     tau: float = 0.95
     min_layer: int = 1
     backend: str = "quanto"
+    exit_head: str | None = None
+    prefill: str = "route"
     rules: list[dict] | None = None
     offload_from: int | None = None
     offload_dir: str | None = None
@@ -70,6 +81,10 @@ class RiverConfig:
         if not isinstance(self.min_layer, int) or self.min_layer < 1:
             raise RiverError(f"min_layer must be an integer >= 1, got {self.min_layer!r}")
         get_backend(self.backend)
+        if self.exit_head is not None:
+            get_backend(self.exit_head)
+        if self.prefill not in PREFILL_POLICIES:
+            raise RiverError(f"prefill must be one of {', '.join(PREFILL_POLICIES)}, got {self.prefill!r}")
         if self.offload_from is not None and (not isinstance(self.offload_from, int) or self.offload_from < 0):
             raise RiverError(f"offload_from must be a layer index >= 0 or None, got {self.offload_from!r}")
         if self.rules is not None:
@@ -87,6 +102,8 @@ class RiverConfig:
         d = dataclasses.asdict(self)
         d["rules"] = self.build_rules().to_list()
         d["quantization"] = get_backend(self.backend).to_dict()
+        if self.exit_head is not None:
+            d["exit_head_quantization"] = get_backend(self.exit_head).to_dict()
         return d
 
     @classmethod
@@ -94,7 +111,7 @@ class RiverConfig:
         """Raises RiverError for unknown keys or invalid values."""
         if not isinstance(d, dict):
             raise RiverError(f"River settings must be a JSON object, got {type(d).__name__}")
-        d = {k: v for k, v in d.items() if k != "quantization"}
+        d = {k: v for k, v in d.items() if k not in ("quantization", "exit_head_quantization")}
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise RiverError(f"unknown River settings {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(cls)]}")
@@ -171,9 +188,9 @@ class RiverMixin(RiverPretrainedMixin):
 
     def generate(self, *args, **kwargs):
         self.river.log.clear()
-        start = time.perf_counter()
+        self._river_generate_start = time.perf_counter()
         out = super().generate(*args, **kwargs)
-        self.river_stats = self.river_summary(time.perf_counter() - start)
+        self.river_stats = self.river_summary(time.perf_counter() - self._river_generate_start)
         return out
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -199,13 +216,17 @@ class RiverMixin(RiverPretrainedMixin):
             exit_fraction: fraction of decode steps that left the backbone early.
             exit_layer_counts: list of L+1 counts; entry k = decode steps whose exit layer is k.
             new_tokens: generated tokens (batch x passes).
-            seconds, tokens_per_s: wall time of the call and new tokens per second.
+            seconds, tokens_per_s: wall time of the call (s) and new tokens per second over it.
+            prefill_seconds: from the call's start to the end of the first forward pass (TTFT, s).
+            decode_seconds, decode_tokens_per_s: time of the decode passes (s) and their tokens per
+                second (batch x decode steps / decode_seconds): decode speed without the prefill.
             weight_bytes_per_token: mean weight bytes read per decode step (bytes).
-            bandwidth_gb_s: weight_bytes_per_token x decode steps per second / 1e9 (GB/s).
+            bandwidth_gb_s: weight_bytes_per_token x decode steps per second / 1e9 (GB/s), over
+                the decode passes.
         """
         log = self.river.log
         L = self.river.num_layers
-        decode = [e for (_, _, e) in log[1:]]
+        decode = [entry[2] for entry in log[1:]]
         counts = [0] * (L + 1)
         for e in decode:
             counts[e] += 1
@@ -225,9 +246,41 @@ class RiverMixin(RiverPretrainedMixin):
         if seconds is not None:
             stats["seconds"] = seconds
             stats["tokens_per_s"] = new_tokens / seconds if seconds > 0 else None
-            if decode and seconds > 0:
-                stats["bandwidth_gb_s"] = stats["weight_bytes_per_token"] * len(log) / seconds / 1e9
+            start = getattr(self, "_river_generate_start", None)
+            if log and start is not None:
+                stats["prefill_seconds"] = log[0][3] - start
+            if decode:
+                decode_seconds = log[-1][3] - log[0][3]
+                stats["decode_seconds"] = decode_seconds
+                if decode_seconds > 0:
+                    stats["decode_tokens_per_s"] = batch * len(decode) / decode_seconds
+                    stats["bandwidth_gb_s"] = stats["weight_bytes_per_token"] * len(decode) / decode_seconds / 1e9
         return stats
+
+    def river_kernels(self) -> list[dict]:
+        """Which kernel each group of exit Linears got: one dict per (shape, kernel) with ``shape``
+        (``"in x out"``), ``kernel``, ``count`` (Linears), ``names`` (the first few), ``us_per_call``
+        (the tuner's cold-cache one-token timings of every candidate, µs; absent when only one
+        kernel was allowed) and ``relative_error`` (mean over the group of ||copy(x) - W x|| /
+        ||W x|| on the real weights)."""
+        groups: dict[tuple, dict] = {}
+        for row in self.river_kernel_report:
+            where = "exit head" if row["name"].startswith("lm_head") else "exit layers"
+            key = (where, row["in_features"], row["out_features"], row["kernel"])
+            g = groups.setdefault(key, {"where": where, "shape": f"{row['in_features']}x{row['out_features']}",
+                                        "kernel": row["kernel"], "count": 0, "names": [], "errors": []})
+            g["count"] += 1
+            g["errors"].append(row["relative_error"])
+            if len(g["names"]) < 3:
+                g["names"].append(row["name"])
+            if "us_per_call" in row:
+                g["us_per_call"] = row["us_per_call"]
+        out = []
+        for g in groups.values():
+            errors = g.pop("errors")
+            g["relative_error"] = sum(errors) / len(errors)
+            out.append(g)
+        return out
 
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -241,36 +294,77 @@ def _river_class(cls: type) -> type:
     return _CLASS_CACHE[cls]
 
 
+_KEEP = object()  # "not given" for settings where None is a value (exit_head=None: no exit head)
+
+
 def enable_river(
     model: nn.Module,
     tau: float | None = None,
     *,
     min_layer: int | None = None,
     backend: str | None = None,
+    exit_head=_KEEP,
+    prefill: str | None = None,
     rules: ExitRuleList | list | None = None,
     config: RiverConfig | None = None,
     allow_untested: bool = False,
     progress: bool = True,
+    tuner=None,
 ) -> nn.Module:
     """Turn a loaded transformers causal LM into a River model, in place, and return it.
 
     Args:
         model: a ``*ForCausalLM`` of a supported family (:data:`SUPPORTED_MODEL_TYPES`).
         tau: threshold τ; None takes the per-model default from ``configs/``.
-        min_layer, backend: override the defaults (see :class:`RiverConfig`).
+        min_layer, backend, exit_head, prefill: override the defaults (see :class:`RiverConfig`).
         rules: an explicit :class:`ExitRuleList` (or its ``to_list()`` form) instead of tau/min_layer.
         config: a whole :class:`RiverConfig`; the other keyword arguments override its fields.
         allow_untested: try model types outside :data:`SUPPORTED_MODEL_TYPES`.
         progress: show a progress bar while building the exit layers.
+        tuner: a :class:`river_hf.quant.KernelTuner` for the ``int8``/``int4`` choices (None: the
+            default one, cached under the cache dir; ``False``: no measurement, first candidate).
 
     Returns:
-        The same model object, whose class now has River's mixin in front.
+        The same model object, whose class now has River's mixin in front. ``model.river_kernels()``
+        tells which kernel each exit Linear (and the exit head) got.
 
     Raises:
         RiverError: River already enabled, unsupported architecture, invalid settings.
     """
-    from tqdm.auto import tqdm
+    _check_supported(model, allow_untested)
+    config = _settings(model, config, tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head,
+                       prefill=prefill, rules=rules)
+    if tuner is None:
+        from ..quant import default_tuner
 
+        tuner = default_tuner()
+    stack, layers = _decoder_stack(model)
+    router = RiverRouter(config.build_rules(), len(layers), prefill=config.prefill)
+    report: list[dict] = []
+    start = time.perf_counter()
+    backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, tuner or None, report, progress)
+    head_bytes, exit_head_bytes = _wrap_head(model, router, config, tuner or None, report)
+    build_seconds = time.perf_counter() - start
+    if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
+        offload_backbone(layers, config.offload_from, config.offload_dir)
+    _register_router_hooks(stack, router)
+
+    # Weight bytes one decode step reads when its exit layer is k: backbone 0..k-1, exit k..L-1, and
+    # the exit head when the step left the backbone (k < L), else the original head.
+    L = len(layers)
+    step_bytes = [sum(backbone_bytes[:k]) + sum(exit_bytes[k:]) + (exit_head_bytes if k < L else head_bytes)
+                  for k in range(L + 1)]
+    model.__class__ = _river_class(type(model))
+    model.river = router
+    model.river_config = config
+    model.river_build_seconds = build_seconds
+    model.river_kernel_report = report
+    model._river_step_bytes = step_bytes
+    model.river_stats = {}
+    return model
+
+
+def _check_supported(model: nn.Module, allow_untested: bool) -> None:
     if isinstance(model, RiverMixin):
         raise RiverError("River is already enabled on this model; use model.set_river_tau(tau) to change tau")
     model_type = getattr(model.config.get_text_config(decoder=True), "model_type", None)
@@ -279,58 +373,82 @@ def enable_river(
             f"model type {model_type!r} is not supported by River (supported: {', '.join(SUPPORTED_MODEL_TYPES)}); "
             "pass allow_untested=True to try the generic per-layer routing anyway"
         )
+
+
+def _settings(model, config: RiverConfig | None, *, rules, exit_head, **fields) -> RiverConfig:
+    """The per-model default (or ``config``) with the given fields overriding it."""
     if config is None:
+        model_type = getattr(model.config.get_text_config(decoder=True), "model_type", None)
         config = default_config(getattr(model.config, "_name_or_path", None), model_type)
-    overrides = {"tau": tau, "min_layer": min_layer, "backend": backend}
-    overrides = {k: v for k, v in overrides.items() if v is not None}
+    overrides = {k: v for k, v in fields.items() if v is not None}
+    if exit_head is not _KEEP:
+        overrides["exit_head"] = exit_head
     if rules is not None:
         overrides["rules"] = rules.to_list() if isinstance(rules, ExitRuleList) else list(rules)
-    config = dataclasses.replace(config, **overrides)
+    return dataclasses.replace(config, **overrides)
 
-    stack, layers = _decoder_stack(model)
-    router = RiverRouter(config.build_rules(), len(layers))
-    quant = get_backend(config.backend)
-    start = time.perf_counter()
+
+def _wrap_layers(layers: nn.ModuleList, router: RiverRouter, config: RiverConfig, tuner, report: list,
+                 progress: bool) -> tuple[list[int], list[int]]:
+    """Build each layer's exit copy and put a RiverLayer in its place; returns the weight bytes of
+    each backbone layer and of each exit layer."""
+    from tqdm.auto import tqdm
+
+    choice = get_backend(config.backend)
     backbone_bytes, exit_bytes = [], []
+
+    def build(layer, i):
+        return choice.build_layer(layer, tuner, report=report, prefix=f"layers.{i}.")
+
     with torch.no_grad():
-        for i in tqdm(range(len(layers)), desc=f"building exit layers ({quant.name}, {quant.bits}-bit)",
+        for i in tqdm(range(len(layers)), desc=f"building exit layers ({choice.name}, {choice.bits}-bit)",
                       disable=not progress, unit="layer"):
             backbone = layers[i]
-            exit_layer = build_exit_layer(quant, backbone)  # also reads an offloaded backbone in
+            exit_layer = build_exit_layer(lambda layer: build(layer, i), backbone)  # reads an offloaded backbone in
             exit_layer.eval()
             backbone_bytes.append(linear_weight_bytes(backbone))
             exit_bytes.append(linear_weight_bytes(exit_layer))
             layers[i] = RiverLayer(backbone, exit_layer, router, i)
-    build_seconds = time.perf_counter() - start
-    if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
-        offload_backbone(layers, config.offload_from, config.offload_dir)
+    return backbone_bytes, exit_bytes
 
-    def _begin(module, args, kwargs):
-        router.begin(kwargs.get("attention_mask"))
 
-    def _end(module, args, kwargs, output):
+def _wrap_head(model: nn.Module, router: RiverRouter, config: RiverConfig, tuner, report: list) -> tuple[int, int]:
+    """Put a RiverHead (original head + exit head) in place of the LM head; returns the weight bytes
+    of the original head and of the head exited steps read."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return 0, 0
+    head_bytes = linear_weight_bytes(head)
+    if config.exit_head is None or not isinstance(head, nn.Linear):
+        exit_head = None
+    else:
+        with torch.no_grad():
+            exit_head, row = get_backend(config.exit_head).build_linear(head, tuner)
+        report.append({"name": "lm_head (exit head)", **row})
+    model.set_output_embeddings(RiverHead(head, exit_head, router))
+    return head_bytes, head_bytes if exit_head is None else linear_weight_bytes(exit_head)
+
+
+def _register_router_hooks(stack: nn.Module, router: RiverRouter) -> None:
+    """Tell the router where each forward pass of the decoder stack begins and ends."""
+
+    def new_tokens(args, kwargs) -> tuple[int, int]:
         x = kwargs.get("input_ids")
         if x is None:
             x = kwargs.get("inputs_embeds")
         if x is None and args:
             x = args[0]
-        batch, tokens = (x.shape[0], x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else (1, 1)
+        return (x.shape[0], x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else (1, 1)
+
+    def begin(module, args, kwargs):
+        router.begin(kwargs.get("attention_mask"), new_tokens(args, kwargs)[1])
+
+    def end(module, args, kwargs, output):
+        batch, tokens = new_tokens(args, kwargs)
         router.end(batch, tokens, kwargs.get("cache", kwargs.get("past_key_values")))
 
-    stack.register_forward_pre_hook(_begin, with_kwargs=True)
-    stack.register_forward_hook(_end, with_kwargs=True)
-
-    head_bytes = linear_weight_bytes(model.get_output_embeddings()) if model.get_output_embeddings() else 0
-    # Weight bytes one decode step reads when its exit layer is k: backbone 0..k-1, exit k..L-1, head.
-    step_bytes = [sum(backbone_bytes[:k]) + sum(exit_bytes[k:]) + head_bytes for k in range(len(layers) + 1)]
-
-    model.__class__ = _river_class(type(model))
-    model.river = router
-    model.river_config = config
-    model.river_build_seconds = build_seconds
-    model._river_step_bytes = step_bytes
-    model.river_stats = {}
-    return model
+    stack.register_forward_pre_hook(begin, with_kwargs=True)
+    stack.register_forward_hook(end, with_kwargs=True)
 
 
 class RiverForCausalLM:
@@ -348,6 +466,8 @@ class RiverForCausalLM:
         tau: float | None = None,
         min_layer: int | None = None,
         backend: str | None = None,
+        exit_head=_KEEP,
+        prefill: str | None = None,
         river_config: RiverConfig | None = None,
         offload_from: int | None = None,
         progress: bool = True,
@@ -357,7 +477,7 @@ class RiverForCausalLM:
 
         Args:
             name_or_key: see :func:`river_hf.models.resolve`.
-            tau, min_layer, backend, river_config: as for :func:`enable_river`; defaults come
+            tau, min_layer, backend, exit_head, prefill, river_config: as for :func:`enable_river`; defaults come
                 from the folder's saved River settings (config.json ``"river"``), else from
                 ``configs/<key>.json``.
             offload_from: keep backbone layers ``offload_from``.. off the compute device
@@ -388,4 +508,5 @@ class RiverForCausalLM:
         from_pretrained_kwargs = loading_kwargs(path, river_config, from_pretrained_kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
         model.eval()
-        return enable_river(model, tau, min_layer=min_layer, backend=backend, config=river_config, progress=progress)
+        return enable_river(model, tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
+                            config=river_config, progress=progress)

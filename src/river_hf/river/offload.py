@@ -80,14 +80,14 @@ def _hooks_detached(module: nn.Module):
             m.__dict__.update(saved)
 
 
-def build_exit_layer(quant, backbone: nn.Module) -> nn.Module:
-    """``quant.build_exit_layer(backbone)``, also for an offloaded backbone: its weights are read
-    in for the copy and dropped again, and the exit layer carries no offload hook (it stays on
-    the compute device)."""
+def build_exit_layer(build, backbone: nn.Module) -> nn.Module:
+    """``build(backbone)`` (a callable that returns the exit layer), also for an offloaded
+    backbone: its weights are read in for the copy and dropped again, and the exit layer carries
+    no offload hook (it stays on the compute device)."""
     if not is_offloaded(backbone):
-        return quant.build_exit_layer(backbone)
+        return build(backbone)
     with materialized(backbone), _hooks_detached(backbone):
-        return quant.build_exit_layer(backbone)
+        return build(backbone)
 
 
 def _execution_device(device_map) -> torch.device:

@@ -193,6 +193,8 @@ def model_card(model, *, base_model: str | None = None, measurement: dict | None
         f"| τ (tau) | {rc.tau} |",
         f"| min_layer | {rc.min_layer} |",
         f"| exit layers | {quant['name']}, {quant['bits']}-bit weights, {quant['compute_dtype'] or 'model dtype'} activations |",
+        f"| exit head | {rc.exit_head + ' (quantized copy of the LM head, used by steps that left the backbone)' if rc.exit_head else 'none (the original LM head serves every step)'} |",
+        f"| prefill | {rc.prefill} |",
         f"| backbone offload | {'layers ' + str(rc.offload_from) + '.. off the compute device' if rc.offload_from is not None else 'off'} |",
         "",
         "## Usage",
@@ -242,6 +244,7 @@ def _plain_view(model):
 
     _, layers = _decoder_stack(model)
     river_layers = list(layers)
+    river_head = model.get_output_embeddings()
     river_cls = type(model)
     device_map = model.__dict__.pop("hf_device_map", None)
     try:
@@ -249,12 +252,16 @@ def _plain_view(model):
             for i, rl in enumerate(river_layers):
                 stack.enter_context(materialized(rl.backbone))
                 layers[i] = rl.backbone
+            if river_head is not None and hasattr(river_head, "exit_head"):
+                model.set_output_embeddings(river_head.backbone)
             model.__class__ = base_class(river_cls)
             yield model
     finally:
         model.__class__ = river_cls
         for i, rl in enumerate(river_layers):
             layers[i] = rl
+        if river_head is not None and hasattr(river_head, "exit_head"):
+            model.set_output_embeddings(river_head)
         if device_map is not None:
             model.hf_device_map = device_map
 
@@ -339,7 +346,7 @@ def _share_like_umask(folder: Path) -> None:
             f.chmod(0o666 & ~umask)
 
 
-_RIVER_KWARGS = ("tau", "min_layer", "backend", "offload_from", "offload_dir")
+_RIVER_KWARGS = ("tau", "min_layer", "backend", "exit_head", "prefill", "offload_from", "offload_dir")
 
 
 class RiverPretrainedMixin:

@@ -1,0 +1,417 @@
+"""Weight-only kernels: the strategy objects that turn one ``nn.Linear`` into its cheap copy.
+
+A :class:`WeightOnlyKernel` takes a dense Linear (``weight: [out_features, in_features]``, model
+dtype) and returns a *new* module with the same call signature and the same dtype at its
+boundary: ``x: [..., in_features]`` in the model's dtype gives ``[..., out_features]`` in the
+model's dtype. Only the matmul runs in the kernel's compute dtype (W8A16 / W4A16: 8- or 4-bit
+weights, bf16 activations); the source Linear is not modified (a tied LM head stays tied).
+
+Kernels (``KERNELS``):
+    ``torch-int8``: per-output-channel symmetric int8 weights, bf16 activations, on torch's own
+        weight-only kernel ``torch._weight_int8pack_mm`` (a small module around the op: torchao
+        0.18's stable int8 config does not reach it on CPU without ``mslk``).
+    ``torch-int4``: asymmetric 4-bit weights in groups of 128 (64 or 32 where ``in_features``
+        needs it), bf16 activations, on ``torch._weight_int4pack_mm_for_cpu`` (CPU) /
+        ``torch._weight_int4pack_mm`` (CUDA, tinygemm). Unlike quanto it also packs shapes whose
+        ``in_features`` is not a multiple of 128 (SmolLM2's 576).
+    ``quanto-int4``: optimum-quanto ``qint4`` weights, group size 128, bf16 activations (packed
+        int4 kernel where ``in_features % 128 == 0``, a slow dequantizing path elsewhere).
+    ``quanto-int8``: optimum-quanto ``qint8`` weights, bf16 activations (quanto dispatches to
+        ``torch._weight_int8pack_mm`` on CPU, through its tensor subclass).
+    ``copy``: an unquantized copy in the model's dtype: exit layers then compute exactly what the
+        backbone computes, the reference for testing the routing itself.
+
+Kernel *choices* (what ``RiverConfig.backend`` / ``exit_head`` name, see :func:`get_backend`):
+    ``int8`` / ``int4``: the fastest kernel of that weight width for each Linear's shape, chosen by
+        a short measurement on the machine at hand (:mod:`.autotune`). The width is the quality
+        knob (HumanEval pass@1 follows the exit layers' bits, docs/river.md); within one width the
+        kernels quantize alike (same grid, relative output error within a few percent of each
+        other, reported per Linear), so speed alone picks among them.
+    any kernel name above: that kernel for every Linear (``quanto`` is kept as a name for
+    ``quanto-int4``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..errors import RiverError
+
+__all__ = [
+    "WeightOnlyKernel",
+    "KERNELS",
+    "KernelChoice",
+    "get_backend",
+    "BACKENDS",
+    "Int8WeightOnlyLinear",
+    "Int4WeightOnlyLinear",
+    "CastLinear",
+    "CastMemo",
+    "linear_weight_bytes",
+    "kernel_name",
+    "relative_error",
+]
+
+
+class CastMemo:
+    """Casts of the last input, shared by the Linears of one exit layer.
+
+    q/k/v projections (and gate/up) receive the same input tensor; the memo casts it to the
+    compute dtype once and hands the same cast to its siblings. The tensor's identity *and* its
+    version counter must match, so an input modified in place is cast again.
+    """
+
+    __slots__ = ("src", "version", "dst")
+
+    def __init__(self):
+        self.src = None
+        self.version = -1
+        self.dst = None
+
+    def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if x is self.src and x._version == self.version and self.dst.dtype == dtype:
+            return self.dst
+        y = x.to(dtype)
+        self.src, self.version, self.dst = x, x._version, y
+        return y
+
+
+class CastLinear(nn.Module):
+    """Runs ``inner`` in ``compute_dtype`` and returns the caller's dtype (W8A16/W4A16 on an fp32 model).
+
+    Args:
+        inner: the quantized Linear (expects ``compute_dtype`` input).
+        compute_dtype: its activation dtype.
+        memo: a :class:`CastMemo` shared with sibling Linears (None: cast every call).
+    """
+
+    def __init__(self, inner: nn.Module, compute_dtype: torch.dtype, memo: CastMemo | None = None):
+        super().__init__()
+        self.inner = inner
+        self.compute_dtype = compute_dtype
+        self.memo = memo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.compute_dtype:
+            return self.inner(x)
+        xc = self.memo.cast(x, self.compute_dtype) if self.memo is not None else x.to(self.compute_dtype)
+        return self.inner(xc).to(x.dtype)
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """``y = x @ (q * s).T + b`` with per-output-channel symmetric int8 weights, on
+    ``torch._weight_int8pack_mm``.
+
+    Buffers: ``weight_int8`` int8 ``[out, in]`` (q = round(W / s), |q| <= 127), ``scales``
+    ``[out]`` in ``compute_dtype`` (s = max|W_row| / 127), ``bias`` ``[out]`` in the model dtype or None.
+    ``forward(x)``: ``x [..., in]`` (any float dtype) -> ``[..., out]`` in x's dtype.
+    """
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = compute_dtype
+        self.register_buffer("weight_int8", q.contiguous())
+        self.register_buffer("scales", scales.to(compute_dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.memo: CastMemo | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x if x.dtype == self.compute_dtype else (
+            self.memo.cast(x, self.compute_dtype) if self.memo is not None else x.to(self.compute_dtype))
+        y = torch._weight_int8pack_mm(xc.reshape(-1, self.in_features), self.weight_int8, self.scales)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """``[out, in]`` float32: the weights this module multiplies by."""
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+
+def _int4_group_size(in_features: int) -> int | None:
+    for g in (128, 64, 32):
+        if in_features % g == 0:
+            return g
+    return None
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """``y = x @ W4.T + b`` with asymmetric 4-bit weights per group of ``group_size`` input
+    channels, on torch's tinygemm int4 kernel (``torch._weight_int4pack_mm_for_cpu`` on CPU).
+
+    Per group: ``q = round((W - min) / scale)`` in [0, 15], ``scale = (max - min) / 15``; the kernel
+    computes ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale`` (tinygemm's layout).
+    Buffers: ``weight_packed`` (the kernel's packed uint8 layout), ``scale_zeros`` ``[in / group, out, 2]``
+    in ``compute_dtype``, ``bias`` or None. ``forward(x)``: ``x [..., in]`` -> ``[..., out]`` in x's dtype.
+
+    Raises:
+        RiverError: ``in_features`` is not a multiple of 32 (see :meth:`supports`).
+    """
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        n, k = linear.out_features, linear.in_features
+        g = _int4_group_size(k)
+        if g is None:
+            raise RiverError(f"torch-int4 needs in_features divisible by 32, got {k}")
+        w = linear.weight.detach().float().reshape(n, k // g, g)
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+        q = torch.round((w - lo) / scale).clamp(0, 15).reshape(n, k).to(torch.int32)
+        zero = lo + 8.0 * scale
+        device = linear.weight.device
+        self.in_features, self.out_features, self.group_size = k, n, g
+        self.compute_dtype = compute_dtype
+        if device.type == "cpu":
+            packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+        else:  # pragma: no cover - needs a GPU
+            packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 2)
+        sz = torch.stack([scale.reshape(n, k // g).t(), zero.reshape(n, k // g).t()], dim=-1)
+        self.register_buffer("weight_packed", packed)
+        self.register_buffer("scale_zeros", sz.to(compute_dtype).contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.memo: CastMemo | None = None
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        return _int4_group_size(linear.in_features) is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x if x.dtype == self.compute_dtype else (
+            self.memo.cast(x, self.compute_dtype) if self.memo is not None else x.to(self.compute_dtype))
+        x2 = xc.reshape(-1, self.in_features)
+        if x2.device.type == "cpu":
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.weight_packed, self.group_size, self.scale_zeros)
+        else:  # pragma: no cover - needs a GPU
+            y = torch._weight_int4pack_mm(x2, self.weight_packed, self.group_size, self.scale_zeros)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightOnlyKernel:
+    """One way to run a Linear with cheaper weights.
+
+    Attributes:
+        name: registry name (``torch-int8``, ``torch-int4``, ``quanto-int4``, ``quanto-int8``, ``copy``).
+        bits: weight bits.
+        compute_dtype: activation dtype of the matmul; None keeps the model's dtype.
+    """
+
+    name: str
+    bits: int
+    compute_dtype: torch.dtype | None = torch.bfloat16
+
+    def supports(self, linear: nn.Linear) -> bool:
+        """Whether this kernel has a real (packed) implementation for ``linear``'s shape."""
+        if self.name == "torch-int4":
+            return Int4WeightOnlyLinear.supports(linear)
+        if self.name == "torch-int8":
+            return linear.in_features % 4 == 0
+        return True
+
+    def build(self, linear: nn.Linear, memo: CastMemo | None = None) -> nn.Module:
+        """Return the cheap copy of ``linear`` (``linear`` itself is not modified).
+
+        Raises:
+            RiverError: the kernel does not support this shape (see :meth:`supports`).
+        """
+        model_dtype = linear.weight.dtype
+        if self.name == "copy":
+            return copy.deepcopy(linear)
+        with torch.no_grad():
+            if self.name == "torch-int8":
+                m = Int8WeightOnlyLinear(linear, self.compute_dtype)
+                m.memo = memo
+                return m
+            if self.name == "torch-int4":
+                m = Int4WeightOnlyLinear(linear, self.compute_dtype)
+                m.memo = memo
+                return m
+            from optimum.quanto import freeze, qint4, qint8, quantize
+
+            compute = self.compute_dtype or model_dtype
+            holder = nn.Sequential(copy.deepcopy(linear).to(compute))
+            quantize(holder, weights={4: qint4, 8: qint8}[self.bits])
+            freeze(holder)
+            return holder[0] if compute == model_dtype else CastLinear(holder[0], compute, memo)
+
+    def to_dict(self) -> dict:
+        dtype = None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch.")
+        return {"name": self.name, "bits": self.bits, "compute_dtype": dtype}
+
+
+KERNELS: dict[str, WeightOnlyKernel] = {
+    k.name: k
+    for k in (
+        WeightOnlyKernel("torch-int8", 8),
+        WeightOnlyKernel("torch-int4", 4),
+        WeightOnlyKernel("quanto-int8", 8),
+        WeightOnlyKernel("quanto-int4", 4),
+        WeightOnlyKernel("copy", 16, None),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """What a config names for a group of Linears: one kernel, or the fastest of several.
+
+    Attributes:
+        name: the config's name (``int8``, ``int4``, a kernel name, ``quanto``).
+        candidates: the kernels to choose from (one: no measurement).
+        bits: their weight width.
+    """
+
+    name: str
+    candidates: tuple[WeightOnlyKernel, ...]
+
+    @property
+    def bits(self) -> int:
+        return self.candidates[0].bits
+
+    @property
+    def compute_dtype(self):
+        return self.candidates[0].compute_dtype
+
+    def to_dict(self) -> dict:
+        d = self.candidates[0].to_dict() if len(self.candidates) == 1 else {
+            "name": self.name, "bits": self.bits, "compute_dtype": self.candidates[0].to_dict()["compute_dtype"]}
+        d["name"] = self.name
+        if len(self.candidates) > 1:
+            d["candidates"] = [k.name for k in self.candidates]
+        return d
+
+    def build_layer(self, layer: nn.Module, tuner=None, *, report: list | None = None, prefix: str = "") -> nn.Module:
+        """A copy of decoder ``layer`` whose ``nn.Linear`` children run on this choice's kernels.
+
+        The copy keeps every attribute of the original (``layer_idx``, ``attention_type``, ...), so
+        its attention writes to the same KV-cache slot; its Linears share one :class:`CastMemo`.
+        ``report`` (when given) gets one dict per Linear (name, shape, kernel, timings).
+        """
+        exit_layer = copy.deepcopy(layer)
+        if self.name == "copy":
+            return exit_layer
+        memo = CastMemo()
+        linears = [(n, m) for n, m in exit_layer.named_modules() if type(m) is nn.Linear]
+        for name, linear in linears:
+            new, row = self.build_linear(linear, tuner, memo=memo)
+            parent_name, _, child = name.rpartition(".")
+            setattr(exit_layer.get_submodule(parent_name) if parent_name else exit_layer, child, new)
+            if report is not None:
+                report.append({"name": f"{prefix}{name}", **row})
+        return exit_layer
+
+    def build_linear(self, linear: nn.Linear, tuner=None, *, memo: CastMemo | None = None) -> tuple[nn.Module, dict]:
+        """Build ``linear``'s copy on the chosen kernel; returns it and a report row."""
+        kernel, timings = self.pick(linear, tuner)
+        new = kernel.build(linear, memo=memo)
+        row = {"in_features": linear.in_features, "out_features": linear.out_features, "kernel": kernel.name,
+               "relative_error": relative_error(linear, new)}
+        if timings:
+            row["us_per_call"] = timings
+        return new, row
+
+    def pick(self, linear: nn.Linear, tuner=None) -> tuple[WeightOnlyKernel, dict]:
+        candidates = [k for k in self.candidates if k.supports(linear)] or list(self.candidates[-1:])
+        if len(candidates) == 1 or tuner is None:
+            return candidates[0], {}
+        return tuner.choose(candidates, linear)
+
+
+#: the fixed-kernel names, and the two measured choices. ``quanto`` is the old name of ``quanto-int4``.
+BACKENDS: dict[str, KernelChoice] = {
+    "int8": KernelChoice("int8", (KERNELS["torch-int8"], KERNELS["quanto-int8"])),
+    "int4": KernelChoice("int4", (KERNELS["torch-int4"], KERNELS["quanto-int4"])),
+    **{name: KernelChoice(name, (k,)) for name, k in KERNELS.items()},
+    "quanto": KernelChoice("quanto", (KERNELS["quanto-int4"],)),
+}
+
+
+def get_backend(name: str | KernelChoice) -> KernelChoice:
+    """Look a kernel choice up by name (see the module docstring).
+
+    Raises:
+        RiverError: an unknown name, or a quanto kernel without optimum-quanto installed.
+    """
+    if isinstance(name, KernelChoice):
+        return name
+    if name not in BACKENDS:
+        raise RiverError(f"unknown quantization backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    if any(k.name.startswith("quanto") for k in BACKENDS[name].candidates):
+        try:
+            import optimum.quanto  # noqa: F401
+        except ImportError as e:  # pragma: no cover - it is a dependency
+            raise RiverError("the quanto kernels need optimum-quanto: pip install optimum-quanto") from e
+    return BACKENDS[name]
+
+
+@torch.no_grad()
+def relative_error(linear: nn.Linear, copy_: nn.Module, rows: int = 4) -> float:
+    """``||copy(x) - linear(x)|| / ||linear(x)||`` for ``x ~ N(0, 1)`` of shape ``[rows, in_features]``
+    (fixed seed): how far a kernel's output is from the dense Linear's, on the real weights."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, linear.in_features, generator=gen).to(linear.weight.device, linear.weight.dtype)
+    ref = linear(x).float()
+    return float((copy_(x).float() - ref).norm() / ref.norm().clamp(min=1e-12))
+
+
+def kernel_name(module: nn.Module) -> str:
+    """The kernel a built Linear copy runs on (``torch-int8``, ``quanto-int4``, ``dense`` ...)."""
+    inner = module.inner if isinstance(module, CastLinear) else module
+    if isinstance(inner, Int8WeightOnlyLinear):
+        return "torch-int8"
+    if isinstance(inner, Int4WeightOnlyLinear):
+        return "torch-int4"
+    if type(inner).__name__.startswith("QLinear"):
+        kind = type(inner.weight).__name__
+        bits = 4 if "QBits" in kind else 8
+        return f"quanto-int{bits}" + ("" if bits == 8 or kind in _FAST_INT4_TYPES else " (slow fallback)")
+    return "dense"
+
+
+def linear_weight_bytes(module: nn.Module) -> int:
+    """Bytes of weight storage read by one pass through ``module``'s Linears (quantized or not).
+
+    Counts packed integer data, scales and zero points (torch-int8/int4 buffers, quanto's inner
+    tensors) and the plain weight (and bias) bytes of dense Linears. Used for the achieved
+    bandwidth figure (bytes per step x steps per second).
+    """
+    total = 0
+    for m in module.modules():
+        if isinstance(m, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+            total += sum(_tensor_bytes(b) for b in m.buffers(recurse=False))
+        elif isinstance(m, nn.Linear) or type(m).__name__.startswith("QLinear"):
+            for t in (getattr(m, "weight", None), getattr(m, "bias", None)):
+                if t is not None:
+                    total += _tensor_bytes(t)
+    return total
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Storage bytes of a tensor; quanto's packed tensors are summed over their inner tensors."""
+    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+#: quanto weight types that run on a packed int4 kernel (tinygemm on CPU/CUDA, Marlin on CUDA).
+_FAST_INT4_TYPES = ("TinyGemmWeightQBitsTensor", "MarlinInt4WeightQBitsTensor")
+
+
+def fast_kernel_fraction(model: nn.Module) -> float | None:
+    """Fraction of the exit layers' quantized Linears that run on a packed kernel (not quanto's
+    dequantizing int4 fallback). None when the model has no quantized exit Linears (``copy``)."""
+    kinds = [kernel_name(m) for name, m in model.named_modules()
+             if ".exit_layer." in f".{name}." and not name.endswith(".inner") and kernel_name(m) != "dense"]
+    if not kinds:
+        return None
+    return sum("slow" not in k for k in kinds) / len(kinds)
