@@ -23,6 +23,13 @@ def test_generate_json_with_compare(smollm2_path):
     assert out["token_match_rate"] == 1.0  # τ > 1: identical to the unmodified model
     assert out["stats"]["tokens_per_s"] > 0 and out["baseline"]["stats"]["tokens_per_s"] > 0
     assert out["river_config"]["tau"] == 2.0
+    # --compare times both side by side: equal token counts, repeats, median and min-max speedup, a verdict.
+    sp = out["speedup"]
+    assert len(sp["runs"]) == 3 and sp["min"] <= sp["median"] <= sp["max"]
+    assert out["verdict"] in ("faster", "slower", "not resolved")
+    rows = {r["label"]: r for r in out["comparison"]["rows"]}
+    assert rows["River"]["new_tokens"] == rows["unmodified"]["new_tokens"] == out["timed_new_tokens"]
+    assert out["comparison"]["bandwidth_limit_gb_s"] > 0
 
 
 @pytest.mark.parametrize(
@@ -34,6 +41,7 @@ def test_generate_json_with_compare(smollm2_path):
         (["generate", "hi", "--max-new-tokens", "0"], "at least 1"),
         (["generate", "hi", "--device", "xyz"], "--device must be"),
         (["generate", "hi", "--model", "smollm2-135m", "--backend", "foo"], "unknown quantization backend"),
+        (["generate", "hi", "--model", "smollm2-135m", "--exit-head", "int3"], "unknown quantization backend"),
         (["generate", "hi", "--model", "smollm2-135m", "--max-new-tokens", "100000000"], "does not fit"),
     ],
 )

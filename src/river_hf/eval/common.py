@@ -34,10 +34,10 @@ def add_river_arguments(p, *, min_layer: bool = True) -> None:
     if min_layer:
         p.add_argument("--min-layer", type=positive_int, default=None,
                        help="backbone layers always run before an exit is considered (default: per-model config)")
-    p.add_argument("--backend", default=None, choices=KERNEL_CHOICES, metavar="KERNEL",
+    p.add_argument("--backend", default=None, metavar="KERNEL",
                    help="exit-layer kernels: int8 / int4 (fastest of that width per shape, measured here), or one of "
                         "torch-int8, torch-int4, quanto-int8, quanto-int4, copy (default: per-model config)")
-    p.add_argument("--exit-head", default=None, choices=KERNEL_CHOICES + ("none",), metavar="KERNEL",
+    p.add_argument("--exit-head", default=None, metavar="KERNEL",
                    help="quantized copy of the LM head for steps that left the backbone: int4, int8, a kernel name, "
                         "or none (default: per-model config)")
     p.add_argument("--prefill", default=None, choices=("route", "backbone"),
@@ -46,7 +46,15 @@ def add_river_arguments(p, *, min_layer: bool = True) -> None:
 
 
 def river_overrides(args) -> dict:
-    """``RiverForCausalLM.from_pretrained`` keyword arguments for the River options that were given."""
+    """``RiverForCausalLM.from_pretrained`` keyword arguments for the River options that were given.
+
+    Raises:
+        RiverError: an unknown kernel name (checked before any model loads).
+    """
+    for flag, value, allowed in (("--backend", getattr(args, "backend", None), KERNEL_CHOICES),
+                                 ("--exit-head", getattr(args, "exit_head", None), KERNEL_CHOICES + ("none",))):
+        if value is not None and value not in allowed:
+            raise RiverError(f"unknown quantization backend {value!r} for {flag}: choose one of {', '.join(allowed)}")
     out = {}
     for name in ("min_layer", "backend", "prefill"):
         value = getattr(args, name, None)

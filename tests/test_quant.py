@@ -1,0 +1,161 @@
+"""Weight-only kernels, their measured choice, and the exit head (tiny random models; no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+from river_hf import enable_river
+from river_hf.eval.common import KERNEL_CHOICES
+from river_hf.quant import BACKENDS, KERNELS, CastMemo, KernelTuner, get_backend, kernel_name, linear_weight_bytes
+from river_hf.quant.kernels import relative_error
+from river_hf.river import RiverConfig
+
+COMMON = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny(family: str, tie: bool = False):
+    torch.manual_seed(0)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}.get(family)
+    if config is not None:
+        config = config(**COMMON, tie_word_embeddings=tie)
+    else:
+        config = Gemma3TextConfig(**COMMON, head_dim=32, sliding_window=8, layer_types=[
+            "sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompt(batch: int = 1):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 256, (batch, 12))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        ids[1, :5], mask[1, :5] = 0, 0  # left padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("name", ["torch-int8", "torch-int4", "quanto-int8", "quanto-int4"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_dense_within_its_width(name, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=bias)
+    kernel = KERNELS[name]
+    q = kernel.build(linear)
+    x = torch.randn(2, 3, 256)
+    y = q(x)
+    assert y.shape == (2, 3, 96) and y.dtype == torch.float32
+    err = relative_error(linear, q)
+    assert err < (0.02 if kernel.bits == 8 else 0.2), err
+    assert err > 0  # it is really quantized
+    assert linear_weight_bytes(q) < linear_weight_bytes(linear) * (0.3 if kernel.bits == 8 else 0.2)
+    assert kernel_name(q) == name
+
+
+def test_torch_int4_packs_shapes_quanto_cannot():
+    """SmolLM2's hidden size 576 is not a multiple of 128: quanto falls back, torch-int4 uses groups of 64."""
+    linear = nn.Linear(576, 64)
+    assert KERNELS["torch-int4"].supports(linear)
+    q = KERNELS["torch-int4"].build(linear)
+    assert q.group_size == 64 and relative_error(linear, q) < 0.2
+    assert not KERNELS["torch-int4"].supports(nn.Linear(100, 8))
+
+
+def test_cast_memo_reuses_one_cast_and_sees_inplace_changes():
+    memo = CastMemo()
+    x = torch.randn(1, 4)
+    a = memo.cast(x, torch.bfloat16)
+    assert memo.cast(x, torch.bfloat16) is a  # sibling Linears share the cast
+    x.add_(1.0)  # an in-place change bumps the version: cast again
+    b = memo.cast(x, torch.bfloat16)
+    assert b is not a and torch.allclose(b.float(), x, atol=0.05)
+
+
+def test_cli_kernel_names_are_the_backends():
+    assert set(KERNEL_CHOICES) == set(BACKENDS)
+
+
+def test_tuner_measures_once_and_caches_per_machine(tmp_path):
+    cache = tmp_path / "kernels.json"
+    linear = nn.Linear(128, 64)
+    choice = get_backend("int8")
+    tuner = KernelTuner(cache, rounds=3, stream_bytes=1 << 20)
+    kernel, timings = tuner.choose(choice.candidates, linear)
+    assert kernel in choice.candidates and set(timings) == {k.name for k in choice.candidates}
+    assert all(t > 0 for t in timings.values()) and kernel.name == min(timings, key=timings.get)
+    assert tuner.measured == 1
+    saved = json.loads(cache.read_text())
+    assert len(saved) == 1 and "128x64" in next(iter(saved))
+    again = KernelTuner(cache, rounds=3, stream_bytes=1 << 20)
+    assert again.choose(choice.candidates, linear)[0] == kernel and again.measured == 0
+    cache.write_text("not json")  # a damaged cache is measured again, not trusted
+    assert KernelTuner(cache, rounds=3, stream_bytes=1 << 20).choose(choice.candidates, linear)[0] in choice.candidates
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("backend, head", [("int8", "int4"), ("int4", "int8"), ("torch-int8", None)])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tau_above_one_is_exact_with_every_exit_head_and_kernel(family, backend, head, batch):
+    model = tiny(family)
+    inputs = prompt(batch)
+    ref = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    enable_river(model, tau=2.0, backend=backend, exit_head=head, progress=False)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False), ref)
+    assert model.river_stats["exit_fraction"] == 0.0
+
+
+def test_exit_head_serves_exited_steps_and_tied_embeddings_stay_tied():
+    model = tiny("llama", tie=True)
+    emb = model.get_input_embeddings().weight
+    assert model.lm_head.weight is emb
+    inputs = prompt()
+    with torch.no_grad():
+        ref_logits = model(**inputs).logits
+    enable_river(model, tau=2.0, backend="copy", exit_head="int4", progress=False)
+    assert model.get_output_embeddings().weight is emb and model.get_input_embeddings().weight is emb
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, ref_logits)  # backbone path: the original head
+        with model.river_mode("exit"):  # copy exit layers = backbone math; only the head is quantized
+            exit_logits = model(**inputs).logits
+    assert not torch.equal(exit_logits, ref_logits)
+    rel = float((exit_logits - ref_logits).norm() / ref_logits.norm())
+    assert 0 < rel < 0.2
+    heads = [k for k in model.river_kernels() if k["where"] == "exit head"]
+    assert len(heads) == 1 and heads[0]["kernel"] == "torch-int4"
+    # Exited steps read the exit head's bytes, backbone steps the original head's.
+    L = model.river.num_layers
+    assert model._river_step_bytes[0] < model._river_step_bytes[L]
+
+
+def test_prefill_backbone_keeps_the_prompt_on_the_backbone():
+    model = tiny("llama")
+    enable_river(model, tau=-1.0, backend="copy", prefill="backbone", progress=False)
+    model.generate(**prompt(), max_new_tokens=4, do_sample=False)
+    s = model.river_stats
+    assert s["prefill_exit_layer"] == model.river.num_layers  # the prompt ran on the backbone
+    assert s["exit_fraction"] == 1.0  # decode steps still exit
+    model.river.prefill = "route"
+    model.generate(**prompt(), max_new_tokens=4, do_sample=False)
+    assert model.river_stats["prefill_exit_layer"] < model.river.num_layers
+    assert model.river_stats["prefill_seconds"] > 0 and model.river_stats["decode_tokens_per_s"] > 0
+
+
+def test_config_round_trip_and_bad_settings():
+    rc = RiverConfig(tau=0.9, backend="int8", exit_head="int4", prefill="backbone")
+    d = json.loads(json.dumps(rc.to_dict()))
+    assert d["exit_head_quantization"]["bits"] == 4 and d["quantization"]["candidates"] == ["torch-int8", "quanto-int8"]
+    back = RiverConfig.from_dict(d)
+    assert (back.tau, back.backend, back.exit_head, back.prefill) == (0.9, "int8", "int4", "backbone")
+    assert back.build_rules().to_list() == rc.build_rules().to_list()
+    from river_hf import RiverError
+
+    with pytest.raises(RiverError, match="prefill"):
+        RiverConfig(prefill="sometimes")
+    with pytest.raises(RiverError, match="unknown quantization backend"):
+        RiverConfig(exit_head="int3")
