@@ -169,6 +169,18 @@ def test_gsm8k_json_schema_on_tiny_model(tiny_folder, gsm8k_file, tmp_path):
     assert report["results"][0]["mean_exit_layer"] in (None, 4.0)  # τ > 1 never exits
 
 
+def test_fully_quantized_row(tiny_folder, gsm8k_file, tmp_path):
+    out = tmp_path / "gsm8k.json"
+    assert main(["eval", "--task", "gsm8k", "--model", tiny_folder, "--data", gsm8k_file, "--tau", "2",
+                 "--fully-quantized", "--backend", "torch-int8", "--exit-head", "int4", "--limit", "1",
+                 "--max-new-tokens", "3", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [r["tau"] for r in rows] == [2.0, None] and [r["mode"] for r in rows] == ["route", "exit"]
+    assert rows[1]["mean_exit_layer"] in (None, 0.0)  # every layer ran its exit copy
+    assert report["river_config"]["backend"] == "torch-int8" and report["river_config"]["exit_head"] == "int4"
+
+
 def test_agreement_json_schema_and_exactness_on_tiny_model(tiny_folder, tmp_path):
     out = tmp_path / "agreement.json"
     assert main(["eval", "--task", "agreement", "--model", tiny_folder, "--tau", "2", "--tau", "0.1",

@@ -27,7 +27,6 @@ are given, each point labelled.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -167,7 +166,8 @@ def _eval_scores(path: str) -> tuple[str, dict]:
     try:
         report = json.loads(Path(path).read_text())
         metric = report["metric"]
-        return f"{report['task']} {metric}", {float(r["tau"]): r[metric] for r in report["results"]}
+        return f"{report['task']} {metric}", {float(r["tau"]): r[metric] for r in report["results"]
+                                                 if r["tau"] is not None}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise RiverError(f"--eval-json {path}: not a river-hf eval report ({type(e).__name__}: {e})") from None
 

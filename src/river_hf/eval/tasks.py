@@ -12,6 +12,8 @@ per-layer cosine similarity of exit-layer vs backbone K and V.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import re
 from pathlib import Path
@@ -140,18 +142,30 @@ def _generate(model, tokenizer, text: str, max_new_tokens: int, code_block_stop:
             "decode_steps": stats.get("decode_steps", 0)}
 
 
-def _summary(tau: float, gens: list[dict]) -> dict:
+@contextlib.contextmanager
+def _setting(model, tau):
+    """River at τ, or (``tau`` None) the fully quantized model: every layer its exit copy, exit head."""
+    if tau is None:
+        with model.river_mode("exit"):
+            yield "fully quantized"
+        return
+    model.set_river_tau(tau)
+    yield f"tau={tau:g}"
+
+
+def _summary(tau: float | None, gens: list[dict]) -> dict:
     tokens = sum(g["new_tokens"] for g in gens)
     seconds = sum(g["seconds"] or 0.0 for g in gens)
     steps = sum(g["decode_steps"] for g in gens)
     exit_sum = sum((g["mean_exit_layer"] or 0.0) * g["decode_steps"] for g in gens)
-    return {"tau": tau, "n": len(gens), "new_tokens": tokens, "seconds": seconds,
+    return {"tau": tau, "mode": "exit" if tau is None else "route", "n": len(gens), "new_tokens": tokens,
+            "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else None,
             "mean_exit_layer": exit_sum / steps if steps else None}
 
 
 def run_gsm8k(model, tokenizer, taus, *, limit=None, max_new_tokens=256, data=None, progress=True) -> dict:
-    """GSM8K exact match at each τ. Returns ``{"data": source, "results": [per-τ dict]}``; each
+    """GSM8K exact match at each τ (None: the fully quantized model). Returns ``{"data": source, "results": [per-τ dict]}``; each
     per-τ dict has ``exact_match`` (fraction), ``n``, tokens/s, mean exit layer and ``samples``."""
     from tqdm.auto import tqdm
 
@@ -159,9 +173,9 @@ def run_gsm8k(model, tokenizer, taus, *, limit=None, max_new_tokens=256, data=No
     metric = metrics.load("gsm8k_exact_match")
     results = []
     for tau in taus:
-        model.set_river_tau(tau)
-        gens = [_generate(model, tokenizer, gsm8k_prompt(row["question"]), max_new_tokens)
-                for row in tqdm(ds, desc=f"gsm8k tau={tau:g}", disable=not progress, unit="q")]
+        with _setting(model, tau) as name:
+            gens = [_generate(model, tokenizer, gsm8k_prompt(row["question"]), max_new_tokens)
+                    for row in tqdm(ds, desc=f"gsm8k {name}", disable=not progress, unit="q")]
         score = metric.compute(predictions=[g["text"] for g in gens], references=list(ds["answer"]))
         res = _summary(tau, gens)
         res["exact_match"] = score["exact_match"]
@@ -176,7 +190,7 @@ def run_gsm8k(model, tokenizer, taus, *, limit=None, max_new_tokens=256, data=No
 
 def run_humaneval(model, tokenizer, taus, *, limit=None, max_new_tokens=384, allow_code_execution=False,
                   timeout=10.0, progress=True) -> dict:
-    """HumanEval pass@1 at each τ (greedy, one sample per problem).
+    """HumanEval pass@1 at each τ (None: the fully quantized model), greedy, one sample per problem.
 
     Raises:
         RiverError: ``allow_code_execution`` is False (scoring runs model-written code).
@@ -192,9 +206,9 @@ def run_humaneval(model, tokenizer, taus, *, limit=None, max_new_tokens=384, all
     metric = metrics.load("humaneval_pass_at_k")
     results = []
     for tau in taus:
-        model.set_river_tau(tau)
-        gens = [_generate(model, tokenizer, humaneval_prompt(p), max_new_tokens, code_block_stop=True)
-                for p in tqdm(problems, desc=f"humaneval tau={tau:g}", disable=not progress, unit="problem")]
+        with _setting(model, tau) as name:
+            gens = [_generate(model, tokenizer, humaneval_prompt(p), max_new_tokens, code_block_stop=True)
+                    for p in tqdm(problems, desc=f"humaneval {name}", disable=not progress, unit="problem")]
         completions = [humaneval_completion(p, g["text"]) for p, g in zip(problems, gens)]
         score = metric.compute(predictions=[[c] for c in completions], references=[p["task_id"] for p in problems],
                                k=[1], timeout=timeout, allow_code_execution=True)

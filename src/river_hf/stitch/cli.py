@@ -16,10 +16,8 @@ forwards process several tokens too), so the comparison is kernel for kernel; LL
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-import time
 
 from ..errors import RiverError
 from ..models import encode_prompt
@@ -39,7 +37,10 @@ def register(subparsers) -> None:
     p.add_argument("--llm", default="qwen2.5-coder-1.5b", help="large model: key, Hub id or folder")
     p.add_argument("--tau", type=float, default=0.02, help="normalized-entropy threshold (paper: 0.001-0.03)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--compare", action="store_true", help="also run LLM-only and HF assisted generation")
+    p.add_argument("--compare", action="store_true",
+                   help="also time LLM-only and HF assisted generation against R-Stitch, side by side on the answer's "
+                        "number of new tokens (warm-up, --repeats alternating rounds, median and min-max)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds for --compare (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=handler)
 
@@ -62,13 +63,12 @@ def marked_text(tokenizer, token_ids: list[int], sources: list[int], colour: boo
 def handler(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise RiverError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.repeats < 1:
+        raise RiverError(f"--repeats must be >= 1, got {args.repeats}")
     if not args.prompt.strip():
         raise RiverError("the prompt is empty: pass the question as the first argument")
     if args.tau != args.tau:
         raise RiverError("--tau must be a number such as 0.02 (< 0 = LLM only, >= 1 = SLM only), got nan")
-    import torch
-
-    from ..kernels import SmallBatchLinear
     from ..models import load
     from .generation import check_pair, generate
 
@@ -94,24 +94,9 @@ def handler(args: argparse.Namespace) -> int:
     }
 
     if args.compare:
-        common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
-                      attention_mask=torch.ones_like(ids), pad_token_id=tok.pad_token_id)
-        cmp = {}
-        for name, kw in (("llm_only", {}), ("assisted", {"assistant_model": slm})):
-            t0 = time.perf_counter()
-            with SmallBatchLinear() if name == "assisted" else contextlib.nullcontext():
-                seq = llm.generate(ids, **common, **kw)
-            dt = time.perf_counter() - t0
-            cmp[name] = {
-                "seconds": dt,
-                "new_tokens": int(seq.shape[1] - plen),
-                "answer": tok.decode(seq[0, plen:], skip_special_tokens=True),
-            }
-        base = cmp["llm_only"]["seconds"]
-        cmp["rstitch"] = {"seconds": st.seconds, "new_tokens": st.new_tokens}
-        for v in cmp.values():
-            v["speedup_vs_llm_only"] = base / v["seconds"] if v["seconds"] else None
-        result["compare"] = cmp
+        result["compare"], table = _compare(slm, llm, ids, tok, slm_tok, args, max(len(new), 2))
+    else:
+        table = None
 
     if args.json:
         print(json.dumps(result, indent=1))
@@ -127,6 +112,49 @@ def handler(args: argparse.Namespace) -> int:
         f"({st.new_tokens / st.seconds if st.seconds else 0:.2f} tokens/s)"
     )
     if args.compare:
+        print(table)
         for name, v in result["compare"].items():
-            print(f"{name:9s} {v['seconds']:7.2f} s  {v['new_tokens']:4d} tokens  speedup vs LLM-only {v['speedup_vs_llm_only']:.2f}x")
+            sp = v["speedup_vs_llm_only"]
+            print(f"{name:9s} decode {v['decode_tokens_per_s']:7.2f} tokens/s  speedup vs LLM-only {sp['median']:.2f}x "
+                  f"(min-max {sp['min']:.2f}-{sp['max']:.2f}, {v['verdict']})")
     return 0
+
+
+def _compare(slm, llm, ids, tok, slm_tok, args, n: int):
+    """LLM-only, HF assisted generation and R-Stitch timed side by side with the shared timer
+    (river_hf.timing.compare) on ``n`` new tokens each (greedy, min_new_tokens = max_new_tokens)."""
+    import contextlib
+
+    import torch
+
+    from ..kernels import SmallBatchLinear
+    from ..quant import linear_weight_bytes
+    from ..timing import TokenTimer, compare, measure_generate
+    from .generation import generate
+
+    common = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    small_batch = all(next(m.parameters()).device.type == "cpu" and next(m.parameters()).dtype == torch.float32
+                      for m in (slm, llm))
+
+    def llm_only():
+        return measure_generate(llm, inputs, **common, weight_bytes_per_step=linear_weight_bytes(llm))
+
+    def assisted():
+        with SmallBatchLinear() if small_batch else contextlib.nullcontext():
+            return measure_generate(llm, inputs, **common, assistant_model=slm)
+
+    def rstitch():
+        timer = TokenTimer()
+        generate(slm, llm, ids, tau=args.tau, **common, tokenizer=tok, assistant_tokenizer=slm_tok, streamer=timer)
+        return timer.measurement()
+
+    comparison = compare({"llm_only": llm_only, "assisted": assisted, "rstitch": rstitch}, reference="llm_only",
+                         repeats=args.repeats)
+    out = {}
+    for row in comparison.rows:
+        out[row["label"]] = {"decode_tokens_per_s": row["decode_tokens_per_s"]["median"],
+                             "decode_tokens_per_s_spread": row["decode_tokens_per_s"], "ttft_s": row["ttft_s"],
+                             "new_tokens": row["new_tokens"], "speedup_vs_llm_only": row["speedup"],
+                             "verdict": row["verdict"], "bandwidth_gb_s": row["bandwidth_gb_s"]}
+    return out, comparison.table()
