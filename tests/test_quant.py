@@ -41,7 +41,7 @@ def prompt(batch: int = 1):
     return {"input_ids": ids, "attention_mask": mask}
 
 
-@pytest.mark.parametrize("name", ["torch-int8", "torch-int4", "quanto-int8", "quanto-int4"])
+@pytest.mark.parametrize("name", ["torch-int8", "torch-int4", "torch-int4-g32", "quanto-int8", "quanto-int4"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_dense_within_its_width(name, bias):
     torch.manual_seed(0)
@@ -65,6 +65,8 @@ def test_torch_int4_packs_shapes_quanto_cannot():
     q = KERNELS["torch-int4"].build(linear)
     assert q.group_size == 64 and relative_error(linear, q) < 0.2
     assert not KERNELS["torch-int4"].supports(nn.Linear(100, 8))
+    assert KERNELS["torch-int4-g32"].build(nn.Linear(256, 16)).group_size == 32
+    assert not KERNELS["torch-int4"].supports(nn.Linear(256, 8))  # out_features must be a multiple of 16
 
 
 def test_cast_memo_reuses_one_cast_and_sees_inplace_changes():
@@ -99,7 +101,8 @@ def test_tuner_measures_once_and_caches_per_machine(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("backend, head", [("int8", "int4"), ("int4", "int8"), ("torch-int8", None)])
+@pytest.mark.parametrize("backend, head", [("int8", "int4"), ("int4", "int8"), ("int4-g32", "int4-g32"),
+                                           ("torch-int8", None)])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_tau_above_one_is_exact_with_every_exit_head_and_kernel(family, backend, head, batch):
     model = tiny(family)

@@ -26,7 +26,8 @@ def positive_int(text: str) -> int:
 
 
 #: kernel choices the CLI offers for --backend / --exit-head (river_hf.quant.BACKENDS), without importing torch.
-KERNEL_CHOICES = ("int8", "int4", "torch-int8", "torch-int4", "quanto-int8", "quanto-int4", "quanto", "copy")
+KERNEL_CHOICES = ("int8", "int4", "int4-g32", "torch-int8", "torch-int4", "torch-int4-g32", "quanto-int8", "quanto-int4",
+                  "quanto", "copy")
 
 
 def add_river_arguments(p, *, min_layer: bool = True) -> None:
@@ -35,8 +36,9 @@ def add_river_arguments(p, *, min_layer: bool = True) -> None:
         p.add_argument("--min-layer", type=positive_int, default=None,
                        help="backbone layers always run before an exit is considered (default: per-model config)")
     p.add_argument("--backend", default=None, metavar="KERNEL",
-                   help="exit-layer kernels: int8 / int4 (fastest of that width per shape, measured here), or one of "
-                        "torch-int8, torch-int4, quanto-int8, quanto-int4, copy (default: per-model config)")
+                   help="exit-layer kernels: int8 / int4 (fastest of that width per shape, measured here), int4-g32 "
+                        "(groups of 32: more accurate), or one of torch-int8, torch-int4, torch-int4-g32, quanto-int8, "
+                        "quanto-int4, copy (default: per-model config)")
     p.add_argument("--exit-head", default=None, metavar="KERNEL",
                    help="quantized copy of the LM head for steps that left the backbone: int4, int8, a kernel name, "
                         "or none (default: per-model config)")

@@ -14,6 +14,9 @@ Kernels (``KERNELS``):
         needs it), bf16 activations, on ``torch._weight_int4pack_mm_for_cpu`` (CPU) /
         ``torch._weight_int4pack_mm`` (CUDA, tinygemm). Unlike quanto it also packs shapes whose
         ``in_features`` is not a multiple of 128 (SmolLM2's 576).
+    ``torch-int4-g32``: the same kernel with groups of 32 input channels: a quarter more bytes
+        (scales and zeros), about half the relative output error of groups of 128 on the
+        Qwen2.5-Coder weights (docs/river.md).
     ``quanto-int4``: optimum-quanto ``qint4`` weights, group size 128, bf16 activations (packed
         int4 kernel where ``in_features % 128 == 0``, a slow dequantizing path elsewhere).
     ``quanto-int8``: optimum-quanto ``qint8`` weights, bf16 activations (quanto dispatches to
@@ -22,6 +25,7 @@ Kernels (``KERNELS``):
         backbone computes, the reference for testing the routing itself.
 
 Kernel *choices* (what ``RiverConfig.backend`` / ``exit_head`` name, see :func:`get_backend`):
+    ``int4-g32``: ``torch-int4-g32`` (no other kernel has groups of 32).
     ``int8`` / ``int4``: the fastest kernel of that weight width for each Linear's shape, chosen by
         a short measurement on the machine at hand (:mod:`.autotune`). The width is the quality
         knob (HumanEval pass@1 follows the exit layers' bits, docs/river.md); within one width the
@@ -135,8 +139,8 @@ class Int8WeightOnlyLinear(nn.Module):
         return self.weight_int8.float() * self.scales.float()[:, None]
 
 
-def _int4_group_size(in_features: int) -> int | None:
-    for g in (128, 64, 32):
+def _int4_group_size(in_features: int, largest: int = 128) -> int | None:
+    for g in (g for g in (128, 64, 32) if g <= largest):
         if in_features % g == 0:
             return g
     return None
@@ -152,15 +156,15 @@ class Int4WeightOnlyLinear(nn.Module):
     in ``compute_dtype``, ``bias`` or None. ``forward(x)``: ``x [..., in]`` -> ``[..., out]`` in x's dtype.
 
     Raises:
-        RiverError: ``in_features`` is not a multiple of 32 (see :meth:`supports`).
+        RiverError: the shape cannot be packed (see :meth:`supports`).
     """
 
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16, group_size: int = 128):
         super().__init__()
         n, k = linear.out_features, linear.in_features
-        g = _int4_group_size(k)
-        if g is None:
-            raise RiverError(f"torch-int4 needs in_features divisible by 32, got {k}")
+        g = _int4_group_size(k, group_size)
+        if g is None or n % 16:
+            raise RiverError(f"torch-int4 needs in_features divisible by 32 and out_features by 16, got {k}x{n}")
         w = linear.weight.detach().float().reshape(n, k // g, g)
         lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
         scale = ((hi - lo) / 15.0).clamp(min=1e-8)
@@ -181,7 +185,8 @@ class Int4WeightOnlyLinear(nn.Module):
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
-        return _int4_group_size(linear.in_features) is not None
+        """The packed layout needs ``in_features % 32 == 0`` and ``out_features % 16 == 0``."""
+        return _int4_group_size(linear.in_features) is not None and linear.out_features % 16 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xc = x if x.dtype == self.compute_dtype else (
@@ -208,10 +213,11 @@ class WeightOnlyKernel:
     name: str
     bits: int
     compute_dtype: torch.dtype | None = torch.bfloat16
+    group_size: int | None = None  # torch-int4: the largest group (input channels sharing a scale)
 
     def supports(self, linear: nn.Linear) -> bool:
         """Whether this kernel has a real (packed) implementation for ``linear``'s shape."""
-        if self.name == "torch-int4":
+        if self.name.startswith("torch-int4"):
             return Int4WeightOnlyLinear.supports(linear)
         if self.name == "torch-int8":
             return linear.in_features % 4 == 0
@@ -231,8 +237,8 @@ class WeightOnlyKernel:
                 m = Int8WeightOnlyLinear(linear, self.compute_dtype)
                 m.memo = memo
                 return m
-            if self.name == "torch-int4":
-                m = Int4WeightOnlyLinear(linear, self.compute_dtype)
+            if self.name.startswith("torch-int4"):
+                m = Int4WeightOnlyLinear(linear, self.compute_dtype, self.group_size or 128)
                 m.memo = memo
                 return m
             from optimum.quanto import freeze, qint4, qint8, quantize
@@ -252,7 +258,8 @@ KERNELS: dict[str, WeightOnlyKernel] = {
     k.name: k
     for k in (
         WeightOnlyKernel("torch-int8", 8),
-        WeightOnlyKernel("torch-int4", 4),
+        WeightOnlyKernel("torch-int4", 4, group_size=128),
+        WeightOnlyKernel("torch-int4-g32", 4, group_size=32),
         WeightOnlyKernel("quanto-int8", 8),
         WeightOnlyKernel("quanto-int4", 4),
         WeightOnlyKernel("copy", 16, None),
@@ -330,6 +337,7 @@ class KernelChoice:
 BACKENDS: dict[str, KernelChoice] = {
     "int8": KernelChoice("int8", (KERNELS["torch-int8"], KERNELS["quanto-int8"])),
     "int4": KernelChoice("int4", (KERNELS["torch-int4"], KERNELS["quanto-int4"])),
+    "int4-g32": KernelChoice("int4-g32", (KERNELS["torch-int4-g32"],)),
     **{name: KernelChoice(name, (k,)) for name, k in KERNELS.items()},
     "quanto": KernelChoice("quanto", (KERNELS["quanto-int4"],)),
 }
@@ -369,7 +377,7 @@ def kernel_name(module: nn.Module) -> str:
     if isinstance(inner, Int8WeightOnlyLinear):
         return "torch-int8"
     if isinstance(inner, Int4WeightOnlyLinear):
-        return "torch-int4"
+        return "torch-int4-g32" if inner.group_size == 32 else "torch-int4"
     if type(inner).__name__.startswith("QLinear"):
         kind = type(inner.weight).__name__
         bits = 4 if "QBits" in kind else 8
