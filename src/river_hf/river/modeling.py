@@ -189,7 +189,8 @@ class RiverForCausalLM:
             RiverError: as for :func:`enable_river`.
         """
         arch = _architecture(cls, config)
-        model = arch.from_config(config, **kwargs) if arch is AutoModelForCausalLM else arch._from_config(config, **kwargs)
+        build = arch.from_config if arch is AutoModelForCausalLM else arch._from_config
+        model = build(config, **kwargs)
         model.eval()
         if river_config is None:
             river_config = saved_river_config(config)
