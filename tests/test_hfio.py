@@ -197,3 +197,96 @@ def test_save_into_existing_folder_keeps_what_is_not_ours(tmp_path):
     (new / "config.json").write_text("{}")
     _replace_dir_with_umask_022(new, fresh)
     assert fresh.stat().st_mode & 0o777 == 0o755
+
+
+# -- issue 14: one from_pretrained path, pipeline, card -------------------------------------------
+
+
+def _config_less_folder(tmp_path: Path) -> Path:
+    """A folder with weights but a config.json that names no model_type."""
+    plain = _tiny_folder(tmp_path)
+    cfg = json.loads((plain / "config.json").read_text())
+    del cfg["model_type"]
+    (plain / "config.json").write_text(json.dumps(cfg))
+    return plain
+
+
+def test_config_errors_are_one_river_error_on_every_entry_point(tmp_path):
+    from river_hf.river.modeling import river_class
+
+    folder = _config_less_folder(tmp_path)
+    with pytest.raises(RiverError, match="cannot read the model config"):
+        RiverForCausalLM.from_pretrained(str(folder), progress=False)
+    with pytest.raises(RiverError, match="cannot read the model config"):
+        river_class("LlamaForCausalLM").from_pretrained(str(folder), progress=False)
+
+
+def test_hub_arguments_reach_the_config(tmp_path, monkeypatch):
+    import river_hf.river.modeling as modeling
+
+    seen = []
+    real = modeling.AutoConfig.from_pretrained
+
+    def spy(source, **kwargs):
+        seen.append(kwargs)
+        return real(source, **kwargs)
+
+    monkeypatch.setattr(modeling.AutoConfig, "from_pretrained", spy)
+    folder = _tiny_folder(tmp_path)
+    model = RiverForCausalLM.from_pretrained(str(folder), tau=2.0, revision="main", token="hf_x",
+                                             trust_remote_code=False, progress=False)
+    assert seen == [{"revision": "main", "token": "hf_x", "trust_remote_code": False}]
+    assert model.river_config.tau == 2.0
+
+
+def test_pipeline_does_not_say_the_river_model_is_unsupported(tiny_folder):
+    import logging
+
+    from transformers import AutoTokenizer, pipeline
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers.pipelines.base")
+    logger.addHandler(handler)
+    try:
+        model = RiverForCausalLM.from_pretrained(tiny_folder, tau=2.0, progress=False)
+        pipe = pipeline("text-generation", model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_folder))
+        out = pipe("def f(x):", max_new_tokens=3, do_sample=False, river_tau=2.0)
+    finally:
+        logger.removeHandler(handler)
+    assert out[0]["generated_text"].startswith("def f(x):")
+    assert not [r for r in records if "is not supported" in r.getMessage()]
+    # the Auto classes still map Llama configs to the plain class
+    assert type(AutoModelForCausalLM.from_pretrained(tiny_folder)).__name__ == "LlamaForCausalLM"
+
+
+def test_save_leaves_no_river_auto_map_on_the_model(tmp_path):
+    model = RiverForCausalLM.from_pretrained(str(_tiny_folder(tmp_path)), tau=0.5, progress=False)
+    model.save_pretrained(tmp_path / "river")
+    assert getattr(model.config, "auto_map", None) is None and getattr(model.config, "river", None) is None
+
+
+def test_card_and_modeling_file_say_how_to_install_and_where_weights_come_from(tiny_river_folder):
+    from river_hf import RiverConfig
+    from river_hf.river.serialization import model_card
+
+    card = (tiny_river_folder / "README.md").read_text()
+    code = (tiny_river_folder / "modeling_river.py").read_text()
+    for text in (card, code):
+        assert "pip install river-hf" not in text
+        assert "not published on PyPI" in text and "pip install -e <path to the river-hf repository>" in text
+    assert "GGUF" not in card  # a random tiny model: no claim about its weights
+    model = RiverForCausalLM.from_pretrained(str(tiny_river_folder), progress=False)
+    model.config._name_or_path = "/cache/models/qwen2.5-coder-0.5b"
+    card = model_card(model)
+    assert "GGUF Q4_K_M file dequantized to fp32" in card and "re-quantize" in card
+    assert "Q4_K_M" in RiverConfig.__doc__ and "dequantized to fp32" in RiverConfig.__doc__
+
+
+def test_auto_from_config_of_a_river_folder_builds_a_river_model(tiny_river_folder):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_river_folder)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    assert isinstance(model, RiverForCausalLM) and model.river_config.tau == 0.5

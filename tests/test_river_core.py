@@ -15,8 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, MistralConfig, Qwen2Config
 from transformers import Gemma3TextConfig
 
-from river_hf import RiverCache, RiverError, enable_river
-from river_hf.river import ExitRuleList, MinLayerRule, StateTransitionSimilarityRule, state_transition_similarity
+from river_hf import RiverCache, RiverError, RiverForCausalLM, disable_river, enable_river
+from river_hf.river import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
+from river_hf.river import state_transition_similarity
 
 COMMON = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -71,6 +72,7 @@ def test_tau_above_one_is_token_identical(family, batched):
     assert model.river_stats["mean_exit_layer"] == model.river.num_layers
 
 
+@pytest.mark.filterwarnings("ignore:tau=-2 is negative")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exiting_through_identical_copies_is_token_identical(family):
     """Exit at every step (τ = -2) through unquantized copies: routing + KV share change nothing."""
@@ -85,6 +87,7 @@ def test_exiting_through_identical_copies_is_token_identical(family):
     assert stats["prefill_exit_layer"] == 1
 
 
+@pytest.mark.filterwarnings("ignore:tau=-2 is negative")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantized_exit_layers_share_the_kv_cache(family):
     from transformers import DynamicCache
@@ -106,6 +109,7 @@ def test_quantized_exit_layers_share_the_kv_cache(family):
     assert cache.step_tokens[0] == inputs["input_ids"].shape[1]
 
 
+@pytest.mark.filterwarnings("ignore:tau=-2 is negative")
 def test_river_stats_and_return_dict():
     model = enable_river(tiny_model("llama"), tau=-2.0, min_layer=3, progress=False)
     inputs = {k: v[:1] for k, v in batch_inputs().items()}
@@ -127,6 +131,7 @@ def test_sampling_with_tau_above_one_matches_unmodified_sampling():
     assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=20), ref)
 
 
+@pytest.mark.filterwarnings("ignore:tau=-2 is negative")
 def test_modes_and_set_tau():
     model = enable_river(tiny_model("llama"), tau=2.0, progress=False)
     inputs = {k: v[:1] for k, v in batch_inputs().items()}
@@ -182,3 +187,162 @@ def test_original_layers_are_kept_as_backbone():
     after = model.model.layers[1].backbone.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert model.model.layers[1].exit_layer.self_attn.layer_idx == 1
+
+
+# -- issue 14: behave like transformers ---------------------------------------------------------
+
+NEGATIVE_TAU = "ignore:tau=-2 is negative"  # τ = -2 forces an exit at every step on purpose
+
+
+@pytest.mark.filterwarnings(NEGATIVE_TAU)
+def test_tau_per_call_leaves_the_model_tau_alone():
+    from transformers import GenerationConfig
+
+    model = enable_river(tiny_model("llama"), tau=2.0, min_layer=2, progress=False)
+    rules = model.river.rules
+    inputs = batch_inputs()
+    model.generate(**inputs, **GEN, river_tau=-2.0)
+    assert model.river_stats["exit_fraction"] == 1.0 and model.river_stats["mean_exit_layer"] == 2
+    assert model.river.rules is rules and model.river_config.tau == 2.0
+    model.generate(**inputs, **GEN)
+    assert model.river_stats["exit_fraction"] == 0.0
+    # as a GenerationConfig attribute (the way transformers takes assistant_early_exit)
+    model.generate(**inputs, generation_config=GenerationConfig(river_tau=-2.0, pad_token_id=0, **GEN))
+    assert model.river_stats["exit_fraction"] == 1.0
+    model.generation_config.river_tau = -2.0  # the model's own generation defaults
+    model.generate(**inputs, **GEN)
+    assert model.river_stats["exit_fraction"] == 1.0
+    model.generate(**inputs, **GEN, river_tau=2.0)  # the call's argument wins
+    assert model.river_stats["exit_fraction"] == 0.0
+    assert model.river.rules is rules and model.river_config.tau == 2.0
+    with pytest.raises(RiverError, match="tau must be a number"):
+        model.generate(**inputs, **GEN, river_tau="fast")
+    assert model.river.rules is rules
+
+
+@pytest.mark.filterwarnings(NEGATIVE_TAU)
+def test_set_river_tau_replaces_only_the_similarity_threshold():
+    model = enable_river(tiny_model("llama"), rules=[MinLayerRule(3), StateTransitionSimilarityRule(2.0)],
+                         progress=False)
+    model.set_river_tau(-2.0)
+    assert [type(r).__name__ for r in model.river.rules] == ["MinLayerRule", "StateTransitionSimilarityRule"]
+    assert model.river.rules[0].min_layer == 3 and model.river.rules[1].tau == -2.0
+    assert model.river_config.tau == -2.0 and model.river_config.rules[1]["tau"] == -2.0
+    model.generate(**batch_inputs(), **GEN)
+    assert model.river_stats["exit_fraction"] == 1.0 and model.river_stats["mean_exit_layer"] == 3  # min_layer kept
+
+
+def test_tau_without_a_similarity_rule_is_refused():
+    model = enable_river(tiny_model("llama"), rules=[MinLayerRule(2)], progress=False)
+    with pytest.raises(RiverError, match="no StateTransitionSimilarityRule"):
+        model.set_river_tau(0.5)
+    with pytest.raises(RiverError, match="no StateTransitionSimilarityRule"):
+        model.generate(**batch_inputs(), **GEN, river_tau=0.5)
+    assert [type(r).__name__ for r in model.river.rules] == ["MinLayerRule"]
+
+
+def test_negative_tau_warns_once():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = enable_river(tiny_model("llama"), tau=-0.5, min_layer=2, progress=False)
+    assert [str(w.message) for w in caught if "negative" in str(w.message)] == [
+        str(caught[0].message)], "one warning, no more"
+    assert "after min_layer=2" in str(caught[0].message) and caught[0].filename == __file__
+    with pytest.warns(UserWarning, match="tau=-2 is negative"):
+        model.set_river_tau(-2.0)
+
+
+def test_min_layer_must_be_below_the_layer_count():
+    with pytest.raises(RiverError, match="has 4 decoder layers"):
+        enable_river(tiny_model("llama"), tau=0.9, min_layer=4, progress=False)
+    with pytest.raises(RiverError, match="has 4 decoder layers"):
+        enable_river(tiny_model("llama"), rules=[MinLayerRule(7), StateTransitionSimilarityRule(0.9)], progress=False)
+    assert enable_river(tiny_model("llama"), tau=0.9, min_layer=3, progress=False).river.num_layers == 4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_disable_river_gives_back_the_original_model(family):
+    model = tiny_model(family)
+    cls, head = type(model), model.get_output_embeddings()
+    layers = list(model.model.layers)
+    inputs = batch_inputs()
+    ref = model.generate(**inputs, **GEN)
+    assert enable_river(model, tau=0.3, min_layer=1, progress=False) is model
+    model.generate(**inputs, **GEN)
+    assert disable_river(model) is model
+    assert type(model) is cls and not isinstance(model, RiverForCausalLM)
+    assert all(a is b for a, b in zip(model.model.layers, layers)) and model.get_output_embeddings() is head
+    assert not model.model._forward_pre_hooks and not model.model._forward_hooks
+    assert not hasattr(model, "river") and not hasattr(model, "river_config")
+    assert torch.equal(model.generate(**inputs, **GEN), ref)
+    with pytest.raises(RiverError, match="not enabled"):
+        disable_river(model)
+    enable_river(model, tau=2.0, progress=False)  # and it can be enabled again
+    assert torch.equal(model.generate(**inputs, **GEN), ref)
+
+
+def test_river_for_causal_lm_is_the_class_of_river_models():
+    plain = tiny_model("qwen2")
+    assert not isinstance(plain, RiverForCausalLM)
+    model = enable_river(plain, tau=2.0, progress=False)
+    assert isinstance(model, RiverForCausalLM) and isinstance(model, type(plain).__mro__[1])
+    with pytest.raises(RiverError, match="not by calling the class"):
+        type(model)(model.config)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_config(family):
+    torch.manual_seed(0)
+    model = RiverForCausalLM.from_config(tiny_config(family), tau=2.0, min_layer=1, backend="copy", progress=False)
+    assert isinstance(model, RiverForCausalLM) and not model.training
+    assert type(model).__name__ == "River" + type(tiny_model(family)).__name__
+    assert model.river_config.tau == 2.0 and model.river_config.backend == "copy"
+    model.generation_config.pad_token_id = 0
+    # same seed, same weights: the unmodified model's tokens
+    assert torch.equal(model.generate(**batch_inputs(), **GEN), tiny_model(family).generate(**batch_inputs(), **GEN))
+
+
+class _RecordingRule(ExitRule):
+    """Records the token mask each decision sees; never decides."""
+
+    def __init__(self):
+        self.masks = []
+
+    def __call__(self, layer_idx, hidden_in, hidden_out, token_mask):
+        self.masks.append(None if token_mask is None else token_mask.clone())
+        return None
+
+
+@pytest.mark.filterwarnings(NEGATIVE_TAU)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_cache_is_exact_and_masks_padding(family):
+    inputs = batch_inputs()
+    static = dict(GEN, cache_implementation="static")
+    ref = tiny_model(family).generate(**inputs, **static)
+    model = enable_river(tiny_model(family), tau=2.0, progress=False)
+    assert torch.equal(model.generate(**inputs, **static), ref)
+    copies = enable_river(tiny_model(family), tau=-2.0, min_layer=1, backend="copy", progress=False)
+    with pytest.warns(UserWarning, match="negative"):
+        pass_through = copies.generate(**inputs, **static, river_tau=-3.0)
+    assert torch.equal(pass_through, ref) and copies.river_stats["exit_fraction"] == 1.0
+    # the exit decision sees the padding of the prompt pass although generate hands the decoder a 4-D mask
+    recorder = _RecordingRule()
+    model.river.rules = ExitRuleList([recorder, StateTransitionSimilarityRule(2.0)])
+    model.generate(**inputs, **static)
+    prefill_mask = recorder.masks[0]
+    assert prefill_mask is not None and torch.equal(prefill_mask, inputs["attention_mask"].bool())
+    assert recorder.masks[-1] is None  # decode steps: every new token is real
+
+
+def test_torch_compile_is_refused():
+    from transformers import CompileConfig
+
+    model = enable_river(tiny_model("llama"), tau=2.0, progress=False)
+    inputs = batch_inputs()
+    with pytest.raises(RiverError, match="cannot be compiled"):
+        torch.compile(model, backend="eager")(**inputs)
+    with pytest.raises(RiverError, match="cannot be compiled"):
+        model.generate(**inputs, **GEN, cache_implementation="static", compile_config=CompileConfig(backend="eager"))
+    assert model(**inputs).logits.shape == (2, 12, 256)  # uncompiled, it still runs

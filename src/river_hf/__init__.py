@@ -11,8 +11,9 @@ from .models import resolve
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    **{name: ".river" for name in ("RiverCache", "RiverConfig", "RiverForCausalLM", "enable_river")},
+    **{name: ".river" for name in ("RiverCache", "RiverConfig", "RiverForCausalLM", "enable_river", "disable_river")},
     **{name: "." + name for name in ("river", "stitch", "diffusion", "eval")},  # river_hf.stitch.generate, ...
 }
-__all__ = ["RiverCache", "RiverConfig", "RiverForCausalLM", "RiverError", "enable_river", "resolve", "__version__"]
+__all__ = ["RiverCache", "RiverConfig", "RiverForCausalLM", "RiverError", "enable_river", "disable_river", "resolve",
+           "__version__"]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

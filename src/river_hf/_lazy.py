@@ -14,7 +14,8 @@ import sys
 
 def lazy_exports(package: str, exports: dict[str, str]):
     """Return ``(__getattr__, __dir__)`` for ``package`` that import ``exports[name]`` (a relative
-    submodule such as ``".modeling"``) on first access of ``name``; ``{"stitch": ".stitch"}``
+    submodule such as ``".modeling"``, relative to ``package``; from a module rather than a package,
+    ``"..modeling"`` names a sibling module) on first access of ``name``; ``{"stitch": ".stitch"}``
     exports the subpackage itself. ``dir(package)`` lists ``__all__`` and the exports.
 
     Raises (from the returned ``__getattr__``):

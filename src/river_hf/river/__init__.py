@@ -11,11 +11,12 @@ _EXPORTS = {
     "state_transition_similarity": ".controllers",
     "RiverLayer": ".layer",
     "RiverRouter": ".layer",
-    "SUPPORTED_MODEL_TYPES": ".modeling",
-    "RiverConfig": ".modeling",
+    "SUPPORTED_MODEL_TYPES": ".arch",
+    "RiverConfig": ".config",
+    "default_config": ".config",
     "RiverForCausalLM": ".modeling",
-    "default_config": ".modeling",
     "enable_river": ".modeling",
+    "disable_river": ".modeling",
 }
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "StateTransitionSimilarityRule",
     "state_transition_similarity",
     "enable_river",
+    "disable_river",
     "default_config",
     "SUPPORTED_MODEL_TYPES",
 ]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import RiverError
+
 __all__ = [
     "ExitRule",
     "ExitRuleList",
@@ -105,6 +107,25 @@ class ExitRuleList(list):
 
     def to_list(self) -> list[dict]:
         return [rule.to_dict() for rule in self]
+
+    def with_tau(self, tau: float) -> ExitRuleList:
+        """A new list in which every :class:`StateTransitionSimilarityRule` has threshold ``tau``;
+        every other rule is kept as it is (the same object, in the same place).
+
+        Raises:
+            RiverError: the list holds no :class:`StateTransitionSimilarityRule`, so τ means nothing
+                to it (say so explicitly: rebuild the rule list with one, or leave τ alone).
+        """
+        if not any(isinstance(rule, StateTransitionSimilarityRule) for rule in self):
+            raise RiverError(
+                f"the exit rules in force ({', '.join(type(r).__name__ for r in self) or 'none'}) hold no "
+                "StateTransitionSimilarityRule, so there is no tau to change; set rules that include one "
+                "(e.g. enable_river(model, rules=[MinLayerRule(2), StateTransitionSimilarityRule(0.9)]))"
+            )
+        return ExitRuleList(
+            StateTransitionSimilarityRule(tau) if isinstance(rule, StateTransitionSimilarityRule) else rule
+            for rule in self
+        )
 
 
 _RULE_TYPES = {cls.__name__: cls for cls in (MinLayerRule, StateTransitionSimilarityRule)}

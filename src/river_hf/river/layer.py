@@ -57,14 +57,34 @@ class RiverRouter:
         self.log: list[tuple[int, int, int, float]] = []
         self._mask = None
         self._token_mask = None
+        self._next_mask = None
+
+    def expect_padding_mask(self, attention_mask) -> None:
+        """Give the next forward pass its 2-D padding mask (``[batch, past+tokens]``, 1 or True for
+        real tokens) ahead of time. ``generate`` turns the mask into a 4-D causal mask (or a dict
+        of them) before the decoder stack sees it when the cache is a static one; River's model
+        calls this from ``prepare_inputs_for_generation`` with the 2-D mask it started from."""
+        is_2d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+        self._next_mask = attention_mask if is_2d else None
 
     def begin(self, attention_mask, tokens: int = 1) -> None:
-        """Start a forward pass of ``tokens`` new tokens per row. ``attention_mask``: the model's
-        2-D ``[batch, past+tokens]`` mask or None."""
+        """Start a forward pass of ``tokens`` new tokens per row.
+
+        Args:
+            attention_mask: the mask the decoder stack got: 2-D ``[batch, past+tokens]`` (int or
+                bool, nonzero = real token), or anything else (4-D, a dict, None), in which case
+                the mask given by :meth:`expect_padding_mask` for this pass is used, if any; with
+                neither, every position counts as real.
+            tokens: new tokens per row in this pass.
+        """
         self._stay = self.mode == BACKBONE_ONLY or (tokens > 1 and self.prefill == BACKBONE_ONLY)
         self.exited = self.mode == EXIT_ONLY
         self.exit_layer = 0 if self.exited else self.num_layers
-        self._mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            self._mask = attention_mask
+        else:
+            self._mask = self._next_mask
+        self._next_mask = None
         self._token_mask = None
 
     def after_backbone(self, layer_idx: int, hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> None:

@@ -1,10 +1,16 @@
-"""River-LLM on a transformers causal LM: ``enable_river``, ``RiverForCausalLM`` and ``RiverConfig``.
+"""River-LLM on a transformers causal LM: ``RiverForCausalLM``, ``enable_river`` and ``disable_river``.
 
 ``enable_river(model, tau=...)`` builds a quantized exit copy of every decoder layer, wraps each
-layer in a :class:`~river_hf.river.layer.RiverLayer`, and gives the model River's mixin in front
-of its own class (``LlamaForCausalLM`` becomes ``RiverLlamaForCausalLM``), so ``generate``,
-``pipeline`` and every generation option work as before. After each ``generate`` the model's
-``river_stats`` dict holds the exit statistics and speed of that call.
+layer in a :class:`~river_hf.river.layer.RiverLayer`, and gives the model River's class in front
+of its own (``LlamaForCausalLM`` becomes ``RiverLlamaForCausalLM``, a subclass of both
+:class:`RiverForCausalLM` and ``LlamaForCausalLM``), so ``generate``, ``pipeline`` and every
+generation option work as before. After each ``generate`` the model's ``river_stats`` dict holds
+the exit statistics and speed of that call. ``disable_river(model)`` undoes it.
+
+Entry points, in the manner of ``AutoModelForCausalLM``: ``RiverForCausalLM.from_pretrained``
+(model key, Hub id or folder; also what a saved River folder's ``auto_map`` calls) and
+``RiverForCausalLM.from_config`` (a fresh model from a config). ``isinstance(m, RiverForCausalLM)``
+tells a River model.
 
 Source: River-LLM (exit layers built by quantizing each decoder layer; KV share; state transition
 similarity compared with one threshold tau, sequence-level at prefill and token-level at decode).
@@ -14,165 +20,216 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import math
+import os
 import time
-from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from ..errors import RiverError
-from ..quant import get_backend, linear_weight_bytes
+from ..models import is_key, resolve
+from ..quant import default_tuner, get_backend, linear_weight_bytes
+from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_class, mix_in
 from .cache import RiverCache
-from .controllers import ExitRuleList, MinLayerRule, StateTransitionSimilarityRule, rules_from_config
-from .layer import BACKBONE_ONLY, EXIT_ONLY, PREFILL_POLICIES, ROUTE, RiverHead, RiverLayer, RiverRouter
+from .config import CONFIG_DIR, RiverConfig, check_tau, default_config, warn_if_negative_tau
+from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
+from .layer import BACKBONE_ONLY, EXIT_ONLY, ROUTE, RiverHead, RiverLayer, RiverRouter
 from .offload import build_exit_layer, loading_kwargs, offload_backbone
-from .serialization import RiverPretrainedMixin, check_base_weights, saved_river_config
+from .serialization import check_base_weights, save_river, saved_river_config
 
-__all__ = ["RiverConfig", "RiverForCausalLM", "enable_river", "default_config", "SUPPORTED_MODEL_TYPES"]
+__all__ = [
+    "RiverConfig",
+    "RiverForCausalLM",
+    "enable_river",
+    "disable_river",
+    "river_class",
+    "default_config",
+    "SUPPORTED_MODEL_TYPES",
+    "CONFIG_DIR",
+]
 
-#: model_type values whose decoder layers River has been tested on (tests/test_architectures.py).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma3_text")
+_KEEP = object()  # "not given" for settings where None is a value (exit_head=None: no exit head)
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+#: ``from_pretrained`` arguments that also apply to reading the config (``AutoConfig``).
+_HUB_KWARGS = ("revision", "token", "trust_remote_code", "cache_dir", "local_files_only", "force_download",
+               "proxies", "subfolder", "code_revision")
 
-
-@dataclasses.dataclass
-class RiverConfig:
-    """River settings; round-trips through ``to_dict``/``from_dict`` (and so through config.json).
-
-    Attributes:
-        tau: state-transition-similarity threshold τ; the rest of the layers run as exit layers
-            once a backbone layer's similarity exceeds it. ``tau > 1`` never exits (exactness).
-        min_layer: backbone layers that always run before an exit is considered (>= 1).
-        backend: kernel choice of the exit layers' Linears (:func:`river_hf.quant.get_backend`):
-            ``int8`` / ``int4`` (fastest kernel of that width per shape, measured on this machine),
-            or one kernel (``torch-int8``, ``torch-int4``, ``quanto-int4`` = ``quanto``,
-            ``quanto-int8``, ``copy``).
-        exit_head: kernel choice of the *exit head*, a quantized copy of the LM head that serves
-            every step whose forward pass left the backbone (same names as ``backend``); None: the
-            original head serves every step. The backbone path always keeps the original head.
-        prefill: ``route`` (the prompt pass takes River's sequence-level exit decision) or
-            ``backbone`` (the prompt runs on the backbone: exact KV for the prompt; only decode
-            steps exit).
-        rules: explicit exit-rule list (``ExitRuleList.to_list()``); when set it replaces the
-            rules built from ``tau`` and ``min_layer``.
-        offload_from: first backbone layer kept off the compute device (None: no offload).
-        offload_dir: folder for disk offload on CPU-only machines (None: a temporary folder).
-    """
-
-    tau: float = 0.95
-    min_layer: int = 1
-    backend: str = "quanto"
-    exit_head: str | None = None
-    prefill: str = "route"
-    rules: list[dict] | None = None
-    offload_from: int | None = None
-    offload_dir: str | None = None
-
-    def __post_init__(self):
-        try:
-            self.tau = float(self.tau)
-        except (TypeError, ValueError):
-            raise RiverError(f"tau must be a number (e.g. 0.95; above 1 never exits), got {self.tau!r}") from None
-        if math.isnan(self.tau):
-            raise RiverError("tau must be a number, got NaN")
-        if not isinstance(self.min_layer, int) or self.min_layer < 1:
-            raise RiverError(f"min_layer must be an integer >= 1, got {self.min_layer!r}")
-        get_backend(self.backend)
-        if self.exit_head is not None:
-            get_backend(self.exit_head)
-        if self.prefill not in PREFILL_POLICIES:
-            raise RiverError(f"prefill must be one of {', '.join(PREFILL_POLICIES)}, got {self.prefill!r}")
-        if self.offload_from is not None and (not isinstance(self.offload_from, int) or self.offload_from < 0):
-            raise RiverError(f"offload_from must be a layer index >= 0 or None, got {self.offload_from!r}")
-        if self.rules is not None:
-            try:
-                rules_from_config(self.rules)
-            except (TypeError, ValueError) as e:
-                raise RiverError(f"invalid River exit rules {self.rules!r}: {e}") from None
-
-    def build_rules(self) -> ExitRuleList:
-        if self.rules is not None:
-            return rules_from_config(self.rules)
-        return ExitRuleList([MinLayerRule(self.min_layer), StateTransitionSimilarityRule(self.tau)])
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["rules"] = self.build_rules().to_list()
-        d["quantization"] = get_backend(self.backend).to_dict()
-        if self.exit_head is not None:
-            d["exit_head_quantization"] = get_backend(self.exit_head).to_dict()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> RiverConfig:
-        """Raises RiverError for unknown keys or invalid values."""
-        if not isinstance(d, dict):
-            raise RiverError(f"River settings must be a JSON object, got {type(d).__name__}")
-        d = {k: v for k, v in d.items() if k not in ("quantization", "exit_head_quantization")}
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise RiverError(f"unknown River settings {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(cls)]}")
-        return cls(**d)
+#: Attributes ``enable_river`` puts on the model (``disable_river`` removes them).
+_RIVER_ATTRIBUTES = ("river", "river_config", "river_build_seconds", "river_kernel_report", "river_stats",
+                     "_river_step_bytes", "_river_hooks", "_river_generate_start")
 
 
-def default_config(name_or_key: str | None = None, model_type: str | None = None) -> RiverConfig:
-    """Per-model defaults from ``configs/<key>.json``, else ``configs/default.json``.
+class RiverForCausalLM:
+    """River's class: in front of the architecture's own class on every River model, and the
+    entry point that builds one (like ``AutoModelForCausalLM``).
 
-    ``name_or_key`` may be a model key, its Hub id, or a folder whose name is a key (the cache
-    folders made by :func:`river_hf.models.resolve` are).
-    """
-    from ..models import REGISTRY
-
-    candidates = []
-    if name_or_key:
-        base = Path(str(name_or_key).rstrip("/")).name
-        candidates += [name_or_key, base]
-        candidates += [e.key for e in REGISTRY.values() if e.hub_id.lower() == str(name_or_key).lower()]
-    if model_type:
-        candidates.append(f"default-{model_type}")
-    candidates.append("default")
-    for c in candidates:
-        path = CONFIG_DIR / f"{c}.json"
-        if path.is_file():
-            return RiverConfig.from_dict(json.loads(path.read_text()))
-    return RiverConfig()
-
-
-def _decoder_stack(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
-    """The module that runs the decoder loop, and its list of decoder layers."""
-    config = model.config.get_text_config(decoder=True)
-    n = getattr(config, "num_hidden_layers", None)
-    base = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if base is not None and isinstance(getattr(base, "layers", None), nn.ModuleList):
-        return base, base.layers
-    for module in model.modules():
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, nn.ModuleList) and len(layers) == n:
-            return module, layers
-    raise RiverError(
-        f"cannot find the decoder layers of {type(model).__name__}; River supports model types "
-        f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-    )
-
-
-class RiverMixin(RiverPretrainedMixin):
-    """Put in front of a causal-LM class by :func:`enable_river`. Adds River's generate bookkeeping,
-    and ``save_pretrained``/``from_pretrained`` of River folders (:mod:`.serialization`).
+    ``isinstance(model, RiverForCausalLM)`` holds for every River model; ``type(model)`` is e.g.
+    ``RiverQwen2ForCausalLM`` (this class, then ``Qwen2ForCausalLM``), so the model is a
+    ``PreTrainedModel`` with the standard ``generate``. Build one with :meth:`from_pretrained`,
+    :meth:`from_config` or :func:`enable_river`; not by calling the class.
 
     Attributes set by ``enable_river``:
         river: the :class:`RiverRouter` (rules, mode, per-pass log).
         river_config: the :class:`RiverConfig` in force.
         river_build_seconds: wall time spent building the exit layers (seconds).
         river_stats: dict describing the last ``generate`` call (see :meth:`river_summary`).
+
+    What River does not support: ``torch.compile`` of the forward (River's exit decision is
+    data-dependent Python control flow between layers): compiling raises :class:`RiverError` at
+    the first call, and ``generate`` never auto-compiles a River model (a ``compile_config``
+    raises). A static cache (``cache_implementation="static"``) works, uncompiled.
     """
 
+    #: the architecture's own class; set on each River class by :func:`river_hf.river.arch.mix_in`.
+    river_base_class: type | None = None
+
+    def __init__(self, *args, **kwargs):
+        raise RiverError(
+            "River models are built by RiverForCausalLM.from_pretrained(...), RiverForCausalLM.from_config(config) "
+            "or enable_river(model), not by calling the class"
+        )
+
+    # -- building ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *model_args,
+        tau: float | None = None,
+        min_layer: int | None = None,
+        backend: str | None = None,
+        exit_head=_KEEP,
+        prefill: str | None = None,
+        river_config: RiverConfig | None = None,
+        offload_from: int | None = None,
+        offload_dir: str | None = None,
+        progress: bool = True,
+        **kwargs,
+    ):
+        """Load a checkpoint and enable River on it; one path for every way in.
+
+        ``RiverForCausalLM.from_pretrained(name)`` picks the architecture from the config (like
+        ``AutoModelForCausalLM``); ``AutoModelForCausalLM.from_pretrained(river_folder,
+        trust_remote_code=True)`` and ``pipeline(..., trust_remote_code=True)`` come here through
+        the folder's ``auto_map`` with the folder's own River class.
+
+        Args:
+            pretrained_model_name_or_path: a model key, a local folder or a Hub id
+                (:func:`river_hf.models.resolve`; a Hub id with ``revision=`` is passed on as is).
+            tau, min_layer, backend, exit_head, prefill, offload_from, offload_dir: override single
+                settings (see :class:`RiverConfig`).
+            river_config: a whole :class:`RiverConfig` replacing the stored settings. Without it,
+                the settings come from the folder's config.json ``"river"``, else from
+                ``configs/<key>.json`` (:func:`default_config`).
+            progress: progress bar while the exit layers are built (and the model key converted).
+            *model_args, **kwargs: the usual ``from_pretrained`` arguments (``dtype``,
+                ``device_map``, ``config``, ...); ``revision``, ``token``, ``trust_remote_code``,
+                ``cache_dir``, ``local_files_only`` and ``subfolder`` also apply to reading the config.
+                With ``offload_from`` set, backbone layers ``offload_from``.. are never resident,
+                not even during the load (:mod:`.offload`).
+
+        Returns:
+            The model (eval mode), an instance of this class and of the architecture's class.
+
+        Raises:
+            RiverError: unknown model key, unreadable config (missing, no ``model_type``, not
+                JSON, not reachable), invalid River settings, a River folder without its base
+                weights, an unsupported architecture, ``min_layer`` or ``offload_from`` beyond the
+                model's layers.
+        """
+        name = str(pretrained_model_name_or_path)
+        overrides = _overrides(tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
+                               offload_from=offload_from, offload_dir=offload_dir)
+        keep_hub_id = "revision" in kwargs and not is_key(name) and not os.path.isdir(name)
+        path = name if keep_hub_id else resolve(name, progress=progress)  # resolve ignores revisions
+        check_base_weights(path)
+        config = kwargs.pop("config", None)
+        if config is None or isinstance(config, (str, os.PathLike)):
+            config = _read_config(config or path, kwargs, name)
+        if river_config is None:
+            river_config = saved_river_config(config, where=name)
+        if river_config is None:
+            river_config = default_config(name, config.get_text_config(decoder=True).model_type)
+        river_config = dataclasses.replace(river_config, **overrides)
+        kwargs = loading_kwargs(path, river_config, kwargs, config)
+        model = _architecture(cls, config).from_pretrained(path, *model_args, config=config, **kwargs)
+        model.eval()
+        model = enable_river(model, config=river_config, progress=progress)
+        return _as_class(model, cls)
+
+    @classmethod
+    def from_config(
+        cls,
+        config,
+        *,
+        tau: float | None = None,
+        min_layer: int | None = None,
+        backend: str | None = None,
+        exit_head=_KEEP,
+        prefill: str | None = None,
+        river_config: RiverConfig | None = None,
+        progress: bool = True,
+        **kwargs,
+    ):
+        """A freshly initialised model of ``config``'s architecture (random weights, as
+        ``AutoModelForCausalLM.from_config``), in eval mode, with River enabled.
+
+        Args:
+            config: a ``PretrainedConfig`` of a causal LM (e.g. a tiny ``LlamaConfig``); its
+                ``river`` attribute, when present, gives the River settings.
+            tau, min_layer, backend, exit_head, prefill, river_config, progress: as for
+                :meth:`from_pretrained`.
+            **kwargs: passed to ``from_config`` (``dtype``, ``attn_implementation``, ...).
+
+        Raises:
+            RiverError: as for :func:`enable_river`.
+        """
+        arch = _architecture(cls, config)
+        build = arch.from_config if arch is AutoModelForCausalLM else arch._from_config
+        model = build(config, **kwargs)
+        model.eval()
+        if river_config is None:
+            river_config = saved_river_config(config)
+        model = enable_river(model, tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
+                             config=river_config, progress=progress)
+        return _as_class(model, cls)
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        """What ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` calls through a
+        River folder's ``auto_map``: :meth:`from_config`."""
+        return cls.from_config(config, **kwargs)
+
+    def save_pretrained(self, save_directory, *, card: str | None = None, tokenizer=None, **kwargs):
+        """Write a River folder (base weights under their own names, config with ``river`` and
+        ``auto_map``, ``modeling_river.py``, README.md, and ``tokenizer`` when given); see
+        :func:`river_hf.river.serialization.save_river`. Returns the folder."""
+        return save_river(self, save_directory, card=card, tokenizer=tokenizer, **kwargs)
+
+    # -- settings --------------------------------------------------------------------------------
+
     def set_river_tau(self, tau: float) -> None:
-        """Change τ (and rebuild the rule list) without rebuilding exit layers."""
-        self.river_config = dataclasses.replace(self.river_config, tau=tau, rules=None)
-        self.river.rules = self.river_config.build_rules()
+        """Change τ from now on, without rebuilding exit layers.
+
+        Every :class:`StateTransitionSimilarityRule` of the rules in force gets threshold ``tau``;
+        every other rule (a :class:`MinLayerRule`, custom rules) is kept as it is.
+        ``river_config.tau`` (and ``river_config.rules``, when set) follow. For one call only,
+        pass ``generate(..., river_tau=tau)`` instead.
+
+        Raises:
+            RiverError: ``tau`` is not a number; the rules in force hold no
+                :class:`StateTransitionSimilarityRule` (τ would mean nothing).
+        """
+        tau = check_tau(tau)
+        rules = self.river.rules.with_tau(tau)
+        _warn_negative_taus(rules, stacklevel=2)
+        self.river.rules = rules
+        rc = self.river_config
+        self.river_config = dataclasses.replace(rc, tau=tau, rules=None if rc.rules is None else rules.to_list())
 
     @contextlib.contextmanager
     def river_mode(self, mode: str):
@@ -186,12 +243,57 @@ class RiverMixin(RiverPretrainedMixin):
         finally:
             self.river.mode = old
 
-    def generate(self, *args, **kwargs):
-        self.river.log.clear()
-        self._river_generate_start = time.perf_counter()
-        out = super().generate(*args, **kwargs)
-        self.river_stats = self.river_summary(time.perf_counter() - self._river_generate_start)
+    @contextlib.contextmanager
+    def river_tau_override(self, tau: float | None, stacklevel: int = 1):
+        """Within the block the rules in force use threshold ``tau`` (as :meth:`set_river_tau`
+        does); afterwards the model's own rules and ``river_config`` are as before. ``None``: no
+        change. ``stacklevel``: where a negative-τ warning points (1: the ``with`` line).
+        Raises as :meth:`set_river_tau`."""
+        if tau is None:
+            yield self
+            return
+        rules = self.river.rules.with_tau(check_tau(tau))
+        _warn_negative_taus(rules, stacklevel=2 + stacklevel)  # past this generator and contextlib's __enter__
+        old, self.river.rules = self.river.rules, rules
+        try:
+            yield self
+        finally:
+            self.river.rules = old
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, *args, river_tau: float | None = None, **kwargs):
+        """transformers' ``generate``, plus River's bookkeeping (``river_stats``) and a per-call τ.
+
+        Args:
+            river_tau: threshold τ for this call only (the model's τ is unchanged afterwards).
+                When not given, the ``river_tau`` attribute of the ``generation_config`` passed
+                in, else of ``model.generation_config``, is used when set
+                (``GenerationConfig(river_tau=0.9)``), else the model's τ.
+            *args, **kwargs: as for ``GenerationMixin.generate``.
+
+        Raises:
+            RiverError: ``river_tau`` not a number, or no StateTransitionSimilarityRule in force;
+                a ``compile_config`` (River models are not compiled).
+        """
+        if river_tau is None:
+            gen_config = kwargs.get("generation_config")
+            if gen_config is None and len(args) > 1 and isinstance(args[1], GenerationConfig):
+                gen_config = args[1]
+            river_tau = getattr(gen_config if gen_config is not None else self.generation_config, "river_tau", None)
+        with self.river_tau_override(river_tau, stacklevel=2):
+            self.river.log.clear()
+            self._river_generate_start = time.perf_counter()
+            out = super().generate(*args, **kwargs)
+            self.river_stats = self.river_summary(time.perf_counter() - self._river_generate_start)
         return out
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        """transformers' own; first hands the 2-D ``attention_mask`` to the router, which needs the
+        padding positions for the exit decision even when a static cache makes ``generate`` pass
+        the decoder a 4-D mask."""
+        self.river.expect_padding_mask(kwargs.get("attention_mask"))
+        return super().prepare_inputs_for_generation(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
@@ -203,6 +305,15 @@ class RiverMixin(RiverPretrainedMixin):
             model_kwargs["cache"] = RiverCache(config=self.config.get_text_config(decoder=True))
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """Never auto-compile (a static cache would otherwise compile the forward on a GPU)."""
+        if generation_config.compile_config is not None and not generation_config.disable_compile:
+            raise RiverError(
+                "River models cannot be compiled (the exit decision is data-dependent control flow between "
+                "layers): drop compile_config from generate / the generation config"
+            )
+        return False
 
     def river_summary(self, seconds: float | None = None) -> dict:
         """Statistics of the forward passes since the last ``generate`` started.
@@ -283,18 +394,21 @@ class RiverMixin(RiverPretrainedMixin):
         return out
 
 
-_CLASS_CACHE: dict[type, type] = {}
+#: Old name of :class:`RiverForCausalLM` as the mixin.
+RiverMixin = RiverForCausalLM
 
 
-def _river_class(cls: type) -> type:
-    if issubclass(cls, RiverMixin):
-        return cls
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"River{cls.__name__}", (RiverMixin, cls), {"__module__": cls.__module__})
-    return _CLASS_CACHE[cls]
+def river_class(arch_name: str) -> type:
+    """The River class of a transformers architecture class name, e.g. ``"Qwen2ForCausalLM"``
+    gives ``RiverQwen2ForCausalLM`` (what a saved folder's ``modeling_river.py`` exports).
 
-
-_KEEP = object()  # "not given" for settings where None is a value (exit_head=None: no exit head)
+    Raises:
+        RiverError: this transformers has no class of that name.
+    """
+    base = getattr(transformers, arch_name, None)
+    if not isinstance(base, type):
+        raise RiverError(f"transformers {transformers.__version__} has no model class {arch_name!r}; upgrade transformers")
+    return mix_in(RiverForCausalLM, base)
 
 
 def enable_river(
@@ -315,9 +429,12 @@ def enable_river(
 
     Args:
         model: a ``*ForCausalLM`` of a supported family (:data:`SUPPORTED_MODEL_TYPES`).
-        tau: threshold τ; None takes the per-model default from ``configs/``.
+        tau: threshold τ of the state transition similarity (River-LLM Sec. 3.2); None takes the
+            per-model default from ``configs/``. A negative τ is legal and warns (nearly every
+            step then leaves the backbone after ``min_layer`` layers).
         min_layer, backend, exit_head, prefill: override the defaults (see :class:`RiverConfig`).
-        rules: an explicit :class:`ExitRuleList` (or its ``to_list()`` form) instead of tau/min_layer.
+        rules: explicit exit rules instead of tau/min_layer: an :class:`ExitRuleList`, a list of
+            rules (``[MinLayerRule(2), StateTransitionSimilarityRule(0.9)]``) or ``to_list()`` dicts.
         config: a whole :class:`RiverConfig`; the other keyword arguments override its fields.
         allow_untested: try model types outside :data:`SUPPORTED_MODEL_TYPES`.
         progress: show a progress bar while building the exit layers.
@@ -325,21 +442,24 @@ def enable_river(
             default one, cached under the cache dir; ``False``: no measurement, first candidate).
 
     Returns:
-        The same model object, whose class now has River's mixin in front. ``model.river_kernels()``
-        tells which kernel each exit Linear (and the exit head) got.
+        The same model object, whose class now has :class:`RiverForCausalLM` in front.
+        ``model.river_kernels()`` tells which kernel each exit Linear (and the exit head) got.
+        :func:`disable_river` undoes it.
 
     Raises:
-        RiverError: River already enabled, unsupported architecture, invalid settings.
+        RiverError: River already enabled, unsupported architecture, invalid settings,
+            ``min_layer`` not below the model's number of decoder layers.
     """
     _check_supported(model, allow_untested)
     config = _settings(model, config, tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head,
                        prefill=prefill, rules=rules)
+    stack, layers = decoder_stack(model)
+    rule_list = config.build_rules()
+    _check_min_layer(rule_list, len(layers), model)
+    _warn_negative_taus(rule_list, stacklevel=2)  # the caller of enable_river
     if tuner is None:
-        from ..quant import default_tuner
-
         tuner = default_tuner()
-    stack, layers = _decoder_stack(model)
-    router = RiverRouter(config.build_rules(), len(layers), prefill=config.prefill)
+    router = RiverRouter(rule_list, len(layers), prefill=config.prefill)
     report: list[dict] = []
     start = time.perf_counter()
     backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, tuner or None, report, progress)
@@ -347,25 +467,100 @@ def enable_river(
     build_seconds = time.perf_counter() - start
     if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
         offload_backbone(layers, config.offload_from, config.offload_dir)
-    _register_router_hooks(stack, router)
+    hooks = _register_router_hooks(stack, router)
 
     # Weight bytes one decode step reads when its exit layer is k: backbone 0..k-1, exit k..L-1, and
     # the exit head when the step left the backbone (k < L), else the original head.
     L = len(layers)
     step_bytes = [sum(backbone_bytes[:k]) + sum(exit_bytes[k:]) + (exit_head_bytes if k < L else head_bytes)
                   for k in range(L + 1)]
-    model.__class__ = _river_class(type(model))
+    model.__class__ = mix_in(RiverForCausalLM, type(model))
     model.river = router
     model.river_config = config
     model.river_build_seconds = build_seconds
     model.river_kernel_report = report
     model._river_step_bytes = step_bytes
+    model._river_hooks = hooks
     model.river_stats = {}
     return model
 
 
+def disable_river(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_river`, in place, and return the same model object.
+
+    The model gets back the architecture's own class, its original decoder layers and LM head
+    (the very module objects River kept as backbones, weights untouched), and loses River's
+    forward hooks and attributes; it then generates exactly the tokens it generated before
+    ``enable_river``. The exit layers are dropped. Backbone layers that River offloaded
+    (``offload_from``) stay offloaded through accelerate's hooks, which compute the same.
+
+    Raises:
+        RiverError: River is not enabled on ``model``.
+    """
+    if not isinstance(model, RiverForCausalLM):
+        raise RiverError(f"River is not enabled on this {type(model).__name__}; nothing to disable")
+    _, layers = decoder_stack(model)
+    for hook in model.__dict__.get("_river_hooks", ()):
+        hook.remove()
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RiverLayer):
+            layers[i] = layer.backbone
+    head = model.get_output_embeddings()
+    if isinstance(head, RiverHead):
+        model.set_output_embeddings(head.backbone)
+    model.__class__ = base_class(type(model))
+    for name in _RIVER_ATTRIBUTES:
+        model.__dict__.pop(name, None)
+    return model
+
+
+def _overrides(*, exit_head, **fields) -> dict:
+    """The River settings a caller gave (None and an absent ``exit_head`` mean "not given")."""
+    out = {k: v for k, v in fields.items() if v is not None}
+    if exit_head is not _KEEP:
+        out["exit_head"] = exit_head
+    return out
+
+
+def _read_config(source, kwargs: dict, name: str):
+    """``AutoConfig.from_pretrained(source)`` with the caller's hub arguments; any failure is one
+    RiverError."""
+    hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    try:
+        return AutoConfig.from_pretrained(source, **hub)
+    except (OSError, ValueError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if len(first) > 300:
+            first = first[:300] + " ..."
+        raise RiverError(
+            f"cannot read the model config of {name!r} ({first}); pass a transformers model folder with a valid "
+            "config.json (it needs a model_type), a model key, or a Hub id (with revision=/token= when it needs them)"
+        ) from None
+
+
+def _architecture(cls: type, config) -> type:
+    """The class that loads ``config``'s weights: the River class's own architecture, the
+    architecture named by a River folder's config (so its ``auto_map`` is not followed back into
+    River), or ``AutoModelForCausalLM``."""
+    if is_river_class(cls):
+        return cls.river_base_class
+    if getattr(config, "river", None) is not None and getattr(config, "architectures", None):
+        arch = getattr(transformers, config.architectures[0], None)
+        if isinstance(arch, type):
+            return arch
+    return AutoModelForCausalLM
+
+
+def _as_class(model: nn.Module, cls: type) -> nn.Module:
+    """Give ``model`` the class it was asked for when that is a subclass of its River class (the
+    Auto classes hand back such a subclass of a folder's River class)."""
+    if isinstance(cls, type) and cls is not type(model) and issubclass(cls, type(model)):
+        model.__class__ = cls
+    return model
+
+
 def _check_supported(model: nn.Module, allow_untested: bool) -> None:
-    if isinstance(model, RiverMixin):
+    if isinstance(model, RiverForCausalLM):
         raise RiverError("River is already enabled on this model; use model.set_river_tau(tau) to change tau")
     model_type = getattr(model.config.get_text_config(decoder=True), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES and not allow_untested:
@@ -373,6 +568,23 @@ def _check_supported(model: nn.Module, allow_untested: bool) -> None:
             f"model type {model_type!r} is not supported by River (supported: {', '.join(SUPPORTED_MODEL_TYPES)}); "
             "pass allow_untested=True to try the generic per-layer routing anyway"
         )
+
+
+def _check_min_layer(rules: ExitRuleList, num_layers: int, model: nn.Module) -> None:
+    """Refuse a MinLayerRule that would never let a pass leave the backbone."""
+    for rule in rules:
+        if isinstance(rule, MinLayerRule) and rule.min_layer >= num_layers:
+            raise RiverError(
+                f"min_layer={rule.min_layer} but this {type(model).__name__} has {num_layers} decoder layers: an exit "
+                f"can only follow a backbone layer before the last one; choose min_layer from 1 to {num_layers - 1}"
+            )
+
+
+def _warn_negative_taus(rules: ExitRuleList, stacklevel: int) -> None:
+    """One warning per negative τ among ``rules``, pointing ``stacklevel`` frames above the caller."""
+    min_layer = next((r.min_layer for r in rules if isinstance(r, MinLayerRule)), None)
+    for tau in sorted({r.tau for r in rules if isinstance(r, StateTransitionSimilarityRule)}):
+        warn_if_negative_tau(tau, min_layer, stacklevel=stacklevel + 1)
 
 
 def _settings(model, config: RiverConfig | None, *, rules, exit_head, **fields) -> RiverConfig:
@@ -384,7 +596,7 @@ def _settings(model, config: RiverConfig | None, *, rules, exit_head, **fields) 
     if exit_head is not _KEEP:
         overrides["exit_head"] = exit_head
     if rules is not None:
-        overrides["rules"] = rules.to_list() if isinstance(rules, ExitRuleList) else list(rules)
+        overrides["rules"] = [r.to_dict() if isinstance(r, ExitRule) else r for r in rules]
     return dataclasses.replace(config, **overrides)
 
 
@@ -392,8 +604,6 @@ def _wrap_layers(layers: nn.ModuleList, router: RiverRouter, config: RiverConfig
                  progress: bool) -> tuple[list[int], list[int]]:
     """Build each layer's exit copy and put a RiverLayer in its place; returns the weight bytes of
     each backbone layer and of each exit layer."""
-    from tqdm.auto import tqdm
-
     choice = get_backend(config.backend)
     backbone_bytes, exit_bytes = [], []
 
@@ -429,8 +639,19 @@ def _wrap_head(model: nn.Module, router: RiverRouter, config: RiverConfig, tuner
     return head_bytes, head_bytes if exit_head is None else linear_weight_bytes(exit_head)
 
 
-def _register_router_hooks(stack: nn.Module, router: RiverRouter) -> None:
-    """Tell the router where each forward pass of the decoder stack begins and ends."""
+@torch.compiler.disable
+def _refuse_compile() -> None:
+    """Raises RiverError; called while torch.compile traces a River forward pass. Excluded from
+    tracing, so it runs (and raises) for real instead of being folded into a graph break."""
+    raise RiverError(
+        "River models cannot be compiled with torch.compile: the exit decision after each backbone layer is "
+        "data-dependent Python control flow; run the model uncompiled (a static cache works uncompiled)"
+    )
+
+
+def _register_router_hooks(stack: nn.Module, router: RiverRouter) -> list:
+    """Tell the router where each forward pass of the decoder stack begins and ends; returns the
+    hook handles."""
 
     def new_tokens(args, kwargs) -> tuple[int, int]:
         x = kwargs.get("input_ids")
@@ -441,72 +662,13 @@ def _register_router_hooks(stack: nn.Module, router: RiverRouter) -> None:
         return (x.shape[0], x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else (1, 1)
 
     def begin(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            _refuse_compile()
         router.begin(kwargs.get("attention_mask"), new_tokens(args, kwargs)[1])
 
     def end(module, args, kwargs, output):
         batch, tokens = new_tokens(args, kwargs)
         router.end(batch, tokens, kwargs.get("cache", kwargs.get("past_key_values")))
 
-    stack.register_forward_pre_hook(begin, with_kwargs=True)
-    stack.register_forward_hook(end, with_kwargs=True)
-
-
-class RiverForCausalLM:
-    """Factory, in the manner of ``AutoModelForCausalLM``: loads a causal LM and enables River.
-
-    The returned object is the architecture's own class with River's mixin in front (e.g.
-    ``RiverQwen2ForCausalLM``), so it is a ``PreTrainedModel`` with the standard ``generate``.
-    """
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        name_or_key: str,
-        *,
-        tau: float | None = None,
-        min_layer: int | None = None,
-        backend: str | None = None,
-        exit_head=_KEEP,
-        prefill: str | None = None,
-        river_config: RiverConfig | None = None,
-        offload_from: int | None = None,
-        progress: bool = True,
-        **from_pretrained_kwargs,
-    ):
-        """Load ``name_or_key`` (model key, Hub id or folder) and enable River on it.
-
-        Args:
-            name_or_key: see :func:`river_hf.models.resolve`.
-            tau, min_layer, backend, exit_head, prefill, river_config: as for :func:`enable_river`; defaults come
-                from the folder's saved River settings (config.json ``"river"``), else from
-                ``configs/<key>.json``.
-            offload_from: keep backbone layers ``offload_from``.. off the compute device
-                (:mod:`.offload`); they are never resident, not even during the load.
-            **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained``
-                (``dtype``, ``device_map``, ...).
-
-        Raises:
-            RiverError: unknown model key, unsupported architecture, invalid settings, a River
-                folder without its base weights.
-        """
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from ..models import resolve
-
-        path = resolve(name_or_key, progress=progress)
-        check_base_weights(path)
-        if river_config is None:
-            river_config = saved_river_config(path)
-        if river_config is None:
-            try:
-                model_type = AutoConfig.from_pretrained(path).get_text_config(decoder=True).model_type
-            except Exception:
-                model_type = None
-            river_config = default_config(name_or_key, model_type)
-        if offload_from is not None:
-            river_config = dataclasses.replace(river_config, offload_from=offload_from)
-        from_pretrained_kwargs = loading_kwargs(path, river_config, from_pretrained_kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
-        model.eval()
-        return enable_river(model, tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
-                            config=river_config, progress=progress)
+    return [stack.register_forward_pre_hook(begin, with_kwargs=True),
+            stack.register_forward_hook(end, with_kwargs=True)]

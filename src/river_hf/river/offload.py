@@ -35,8 +35,10 @@ import tempfile
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..errors import RiverError
+from .arch import decoder_stack
 
 __all__ = ["loading_kwargs", "offload_backbone", "build_exit_layer", "materialized", "is_offloaded", "offload_device_map"]
 
@@ -106,9 +108,7 @@ def offload_device_map(meta_model: nn.Module, offload_from: int, execution_devic
         offload_from: first offloaded decoder layer.
         execution_device: where the forward passes run.
     """
-    from .modeling import _decoder_stack
-
-    _, layers = _decoder_stack(meta_model)
+    _, layers = decoder_stack(meta_model)
     names = {id(m): n for n, m in meta_model.named_modules()}
     prefix = names[id(layers)]
     exec_dev = "cpu" if execution_device.type == "cpu" else str(execution_device)
@@ -146,8 +146,6 @@ def loading_kwargs(path: str, river_config, kwargs: dict, config=None) -> dict:
     k = getattr(river_config, "offload_from", None)
     if k is None or isinstance(kwargs.get("device_map"), dict):
         return kwargs
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if config is None:
         config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code"))
     n = config.get_text_config(decoder=True).num_hidden_layers

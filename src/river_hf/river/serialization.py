@@ -1,4 +1,7 @@
-"""Hugging Face-native River checkpoints: ``save_pretrained`` / ``from_pretrained`` / ``pipeline``.
+"""Hugging Face-native River checkpoints: what ``save_pretrained`` writes and ``from_pretrained`` reads.
+
+(The ``from_pretrained`` / ``save_pretrained`` methods themselves are those of
+:class:`~river_hf.river.modeling.RiverForCausalLM`; this module holds the folder format.)
 
 Folder layout written by ``model.save_pretrained(out)`` on a River model:
 
@@ -35,58 +38,47 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .._lazy import lazy_exports
 from ..errors import RiverError
+from ..models import REGISTRY
+from .arch import base_class, decoder_stack
+from .config import RiverConfig
+from .offload import materialized
 
 __all__ = [
-    "RiverPretrainedMixin",
-    "river_class",
     "base_class",
     "saved_river_config",
     "check_base_weights",
     "save_river",
     "model_card",
     "MODELING_FILE",
+    "INSTALL_HINT",
 ]
+
+# Folders saved by earlier versions of river-hf import ``river_class`` from this module in their
+# modeling_river.py; it lives in .modeling (which imports this module), so it is bound on first use.
+__getattr__, __dir__ = lazy_exports(__name__, {"river_class": "..modeling"})
 
 MODELING_FILE = "modeling_river.py"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
+#: How to get river-hf, which is not published on PyPI (said in modeling_river.py and the card).
+INSTALL_HINT = (
+    "river-hf is not published on PyPI: install it from its repository, "
+    "`pip install -e <path to the river-hf repository>` or `pip install git+<river-hf repository URL>`"
+)
+
 _MODELING_TEMPLATE = '''"""River-LLM early exit for {arch} (written by river-hf).
 
-Needs river-hf installed (``pip install river-hf`` or ``pip install -e .`` in its repository). The weights in this folder are the base model's own; River's
-quantized exit layers are rebuilt from them at load, with the settings in config.json "river".
+Needs river-hf installed in the same environment; {install}.
+The weights in this folder are the base model's own; River's quantized exit layers are rebuilt
+from them at load, with the settings in config.json "river".
 """
 
-from river_hf.river.serialization import river_class
+from river_hf.river.modeling import river_class
 
 {name} = river_class("{arch}")
 '''
-
-
-def river_class(arch_name: str) -> type:
-    """The River class for a transformers architecture class name, e.g. ``"Qwen2ForCausalLM"``
-    gives ``RiverQwen2ForCausalLM`` (River's mixin in front of ``Qwen2ForCausalLM``)."""
-    import transformers
-
-    from .modeling import _river_class
-
-    base = getattr(transformers, arch_name, None)
-    if base is None:
-        raise RiverError(f"transformers {transformers.__version__} has no model class {arch_name!r}; upgrade transformers")
-    return _river_class(base)
-
-
-def base_class(cls: type) -> type:
-    """The architecture's own ``PreTrainedModel`` class behind a River class (first class in the MRO
-    that is a ``PreTrainedModel`` and not River's)."""
-    from transformers import PreTrainedModel
-
-    from .modeling import RiverMixin
-
-    for c in cls.__mro__:
-        if issubclass(c, PreTrainedModel) and not issubclass(c, RiverMixin):
-            return c
-    raise RiverError(f"{cls.__name__} is not a transformers model class")
 
 
 def _config_dict(path_or_config) -> dict | None:
@@ -101,15 +93,14 @@ def _config_dict(path_or_config) -> dict | None:
         raise RiverError(f"{cfg} is not valid JSON ({e}); the folder is damaged: convert the model again") from None
 
 
-def saved_river_config(path_or_config):
+def saved_river_config(path_or_config, where: str | None = None):
     """The :class:`RiverConfig` stored under ``"river"`` in a folder's config.json (or in a loaded
-    ``PretrainedConfig``); None when there is none (a plain model).
+    ``PretrainedConfig``); None when there is none (a plain model). ``where`` names the source in
+    the error message (default: the folder, or "the model config").
 
     Raises:
         RiverError: the stored settings are invalid (unknown keys, τ not a number, ...).
     """
-    from .modeling import RiverConfig
-
     d = _config_dict(path_or_config)
     settings = None if d is None else d.get("river")
     if settings is None:
@@ -117,7 +108,8 @@ def saved_river_config(path_or_config):
     try:
         return RiverConfig.from_dict(settings)
     except RiverError as e:
-        where = path_or_config if isinstance(path_or_config, (str, os.PathLike)) else "the model config"
+        if where is None:
+            where = path_or_config if isinstance(path_or_config, (str, os.PathLike)) else "the model config"
         raise RiverError(
             f"invalid River settings in {where} (config.json \"river\"): {e}; fix or delete that entry, "
             "or convert the model again with `river-hf convert`"
@@ -149,14 +141,19 @@ def check_base_weights(path) -> None:
             )
 
 
+def _registry_entry(model):
+    """The offline registry entry (:data:`river_hf.models.REGISTRY`) the model was loaded from
+    (its key, or a folder named after its key, as :func:`river_hf.models.resolve` makes), or None."""
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    return REGISTRY.get(Path(name.rstrip("/")).name)
+
+
 def _base_model_id(model) -> str | None:
     """The Hub id of the base model, when it can be told (model key or Hub id)."""
-    from ..models import REGISTRY
-
+    entry = _registry_entry(model)
+    if entry is not None:
+        return entry.hub_id
     name = str(getattr(model.config, "_name_or_path", "") or "")
-    key = Path(name.rstrip("/")).name
-    if key in REGISTRY:
-        return REGISTRY[key].hub_id
     if name.count("/") == 1 and not os.path.exists(name):
         return name
     return None
@@ -164,7 +161,8 @@ def _base_model_id(model) -> str | None:
 
 def model_card(model, *, base_model: str | None = None, measurement: dict | None = None) -> str:
     """README.md text for a River folder: YAML front matter (``base_model``, ``library_name``,
-    ``pipeline_tag``, ``tags``), the River settings, a usage snippet, and the figures of
+    ``pipeline_tag``, ``tags``), how to install river-hf, where the weights come from (for the
+    offline registry: GGUF dequantized to fp32), the River settings, a usage snippet, and the figures of
     ``measurement`` (as produced by ``river-hf convert --measure``) or a line saying that none
     were measured."""
     rc = model.river_config
@@ -186,8 +184,11 @@ def model_card(model, *, base_model: str | None = None, measurement: dict | None
         "The base model's own weights, plus River-LLM settings: decoding leaves the backbone layers "
         "once the state transition similarity (cosine of a layer's input and output hidden state) "
         "exceeds τ, and runs the remaining layers as 4-bit exit copies that share the KV cache.",
-        "Exit layers are rebuilt from these weights at load (seconds). Needs river-hf installed in the same environment (`pip install river-hf`, or `pip install -e .` in its repository).",
+        "Exit layers are rebuilt from these weights at load (seconds).",
         "",
+        f"Loading it with River needs river-hf installed in the same environment: {INSTALL_HINT}.",
+        "",
+        *_weights_note(model),
         "| setting | value |",
         "|---|---|",
         f"| τ (tau) | {rc.tau} |",
@@ -235,14 +236,26 @@ def model_card(model, *, base_model: str | None = None, measurement: dict | None
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _weights_note(model) -> list[str]:
+    """Card lines saying that weights from the offline registry are dequantized GGUF (none for
+    other models, whose weights the card does not claim to know)."""
+    entry = _registry_entry(model)
+    if entry is None:
+        return []
+    gguf = entry.description.rsplit(", ", 1)[-1]  # "GGUF Q4_K_M"
+    return [
+        f"The base weights are river-hf's offline copy of {entry.hub_id} (model key `{entry.key}`): a {gguf} "
+        "file dequantized to fp32, not the Hub's original weights. The \"unmodified\" model of this folder "
+        "therefore already sits on a 4-bit grid, and River's exit layers re-quantize these dequantized weights.",
+        "",
+    ]
+
+
 @contextlib.contextmanager
 def _plain_view(model):
     """Within the block ``model`` looks like the base model: its class is the architecture's own,
     each RiverLayer is replaced by its backbone, and offloaded backbones hold their weights."""
-    from .modeling import _decoder_stack
-    from .offload import materialized
-
-    _, layers = _decoder_stack(model)
+    _, layers = decoder_stack(model)
     river_layers = list(layers)
     river_head = model.get_output_embeddings()
     river_cls = type(model)
@@ -264,6 +277,26 @@ def _plain_view(model):
             model.set_output_embeddings(river_head)
         if device_map is not None:
             model.hf_device_map = device_map
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _config_attributes(config, **values):
+    """Within the block ``config`` has the given attributes; afterwards each is as before (absent
+    again where it was absent), so a save does not leave River's ``auto_map`` on the model."""
+    old = {k: config.__dict__.get(k, _MISSING) for k in values}
+    for k, v in values.items():
+        setattr(config, k, v)
+    try:
+        yield config
+    finally:
+        for k, v in old.items():
+            if v is _MISSING:
+                config.__dict__.pop(k, None)
+            else:
+                setattr(config, k, v)
 
 
 def save_river(model, save_directory, *, card: str | None = None, tokenizer=None, **save_kwargs) -> Path:
@@ -288,13 +321,13 @@ def save_river(model, save_directory, *, card: str | None = None, tokenizer=None
     try:
         settings = dataclasses.replace(model.river_config, offload_dir=None).to_dict()
         base = base_class(type(model))
-        model.config.river = settings
-        model.config.auto_map = {"AutoModelForCausalLM": f"{Path(MODELING_FILE).stem}.River{base.__name__}"}
-        with _plain_view(model):
+        auto_map = {"AutoModelForCausalLM": f"{Path(MODELING_FILE).stem}.River{base.__name__}"}
+        with _plain_view(model), _config_attributes(model.config, river=settings, auto_map=auto_map):
             base.save_pretrained(model, tmp, **save_kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / MODELING_FILE).write_text(_MODELING_TEMPLATE.format(arch=base.__name__, name=f"River{base.__name__}"))
+        (tmp / MODELING_FILE).write_text(
+            _MODELING_TEMPLATE.format(arch=base.__name__, name=f"River{base.__name__}", install=INSTALL_HINT))
         (tmp / "README.md").write_text(card if card is not None else model_card(model))
         _replace_dir(tmp, out)
     except BaseException:
@@ -344,59 +377,3 @@ def _share_like_umask(folder: Path) -> None:
     for f in folder.iterdir():
         if f.is_file():
             f.chmod(0o666 & ~umask)
-
-
-_RIVER_KWARGS = ("tau", "min_layer", "backend", "exit_head", "prefill", "offload_from", "offload_dir")
-
-
-class RiverPretrainedMixin:
-    """``from_pretrained`` / ``save_pretrained`` of River classes (a base of ``RiverMixin``)."""
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """Load a River folder (or any checkpoint of the architecture) and enable River on it.
-
-        This is what ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` and
-        ``pipeline(..., trust_remote_code=True)`` call through the folder's ``auto_map``.
-
-        Args:
-            pretrained_model_name_or_path: folder or Hub id.
-            river_config: a :class:`RiverConfig` replacing the stored settings.
-            tau, min_layer, backend, offload_from, offload_dir: override single settings.
-            progress: progress bar while exit layers are built (default True).
-            **kwargs: the usual ``from_pretrained`` arguments (``dtype``, ``device_map``, ...).
-
-        Raises:
-            RiverError: base weights missing, invalid River settings.
-        """
-        from transformers import AutoConfig
-
-        from .modeling import default_config, enable_river
-        from .offload import loading_kwargs
-
-        river_config = kwargs.pop("river_config", None)
-        overrides = {k: kwargs.pop(k) for k in _RIVER_KWARGS if k in kwargs}
-        progress = kwargs.pop("progress", True)
-        path = str(pretrained_model_name_or_path)
-        check_base_weights(path)
-        config = kwargs.pop("config", None)
-        if config is None:
-            config = AutoConfig.from_pretrained(path)
-        if river_config is None:
-            river_config = saved_river_config(config)
-        if river_config is None:
-            river_config = default_config(path, config.get_text_config(decoder=True).model_type)
-        river_config = dataclasses.replace(river_config, **overrides)
-        kwargs = loading_kwargs(path, river_config, kwargs, config)
-        model = base_class(cls).from_pretrained(path, *model_args, config=config, **kwargs)
-        model.eval()
-        model = enable_river(model, config=river_config, progress=progress)
-        if issubclass(cls, type(model)):  # the Auto classes hand back a subclass of the River class
-            model.__class__ = cls
-        return model
-
-    def save_pretrained(self, save_directory, *, card: str | None = None, tokenizer=None, **kwargs):
-        """Write a River folder (base weights, config with ``river`` + ``auto_map``,
-        ``modeling_river.py``, README.md, and ``tokenizer`` when given); see :func:`save_river`."""
-        return save_river(self, save_directory, card=card, tokenizer=tokenizer, **kwargs)
-

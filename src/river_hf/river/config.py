@@ -1,0 +1,168 @@
+"""River settings: :class:`RiverConfig`, the per-model defaults of ``configs/``, and τ checks.
+
+Imports nothing of the rest of :mod:`river_hf.river` but the rule and routing names, so
+:mod:`.serialization`, :mod:`.offload` and :mod:`.modeling` can all read settings without
+importing each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+from pathlib import Path
+
+from ..errors import RiverError
+from ..models import REGISTRY
+from ..quant import get_backend
+from .controllers import ExitRuleList, MinLayerRule, StateTransitionSimilarityRule, rules_from_config
+from .layer import PREFILL_POLICIES
+
+__all__ = ["RiverConfig", "default_config", "check_tau", "warn_if_negative_tau", "CONFIG_DIR"]
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def check_tau(tau) -> float:
+    """``tau`` as a float.
+
+    Raises:
+        RiverError: ``tau`` is not a number, or is NaN.
+    """
+    try:
+        value = float(tau)
+    except (TypeError, ValueError):
+        raise RiverError(f"tau must be a number (e.g. 0.95; above 1 never exits), got {tau!r}") from None
+    if math.isnan(value):
+        raise RiverError("tau must be a number (e.g. 0.95; above 1 never exits), got NaN")
+    return value
+
+
+def warn_if_negative_tau(tau: float, min_layer: int | None = None, stacklevel: int = 2) -> None:
+    """Warn (``UserWarning``, once per call) that a negative τ makes (nearly) every forward pass
+    leave the backbone right after ``min_layer`` backbone layers. Legal: the tests use τ = -2 to
+    force an exit at every step. ``stacklevel`` as for ``warnings.warn``."""
+    if tau < 0:
+        after = f"min_layer={min_layer}" if min_layer is not None else "min_layer"
+        warnings.warn(
+            f"tau={tau:g} is negative: the state transition similarity is a cosine in [-1, 1], so "
+            f"{'every' if tau < -1 else 'nearly every'} forward pass will leave the backbone after {after} "
+            "backbone layers (pick tau in (0, 1) for real early exit, above 1 for the unmodified model)",
+            UserWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
+@dataclasses.dataclass
+class RiverConfig:
+    """River settings; round-trips through ``to_dict``/``from_dict`` (and so through config.json).
+
+    About the offline checkpoints: the models of river-hf's offline registry
+    (:data:`river_hf.models.REGISTRY`: ``smollm2-135m``, ``qwen2.5-coder-*``, ``gemma-3-270m``)
+    are GGUF files (Q4_K_M, Q4_1 for SmolLM2) dequantized to fp32, not the Hub's original
+    weights. Their "unmodified" model therefore already sits on a 4-bit grid, and River's exit
+    layers re-quantize those dequantized weights (a second rounding, onto the exit kernel's grid).
+
+    Attributes:
+        tau: state-transition-similarity threshold τ (River-LLM Sec. 3.2); the rest of the layers
+            run as exit layers once a backbone layer's similarity exceeds it. ``tau > 1`` never
+            exits (exactness); ``tau < 0`` is legal (exits at nearly every step; it warns).
+        min_layer: backbone layers that always run before an exit is considered (>= 1, below the
+            model's number of layers; checked by ``enable_river``).
+        backend: kernel choice of the exit layers' Linears (:func:`river_hf.quant.get_backend`):
+            ``int8`` / ``int4`` (fastest kernel of that width per shape, measured on this machine),
+            or one kernel (``torch-int8``, ``torch-int4``, ``quanto-int4`` = ``quanto``,
+            ``quanto-int8``, ``copy``).
+        exit_head: kernel choice of the *exit head*, a quantized copy of the LM head that serves
+            every step whose forward pass left the backbone (same names as ``backend``); None: the
+            original head serves every step. The backbone path always keeps the original head.
+        prefill: ``route`` (the prompt pass takes River's sequence-level exit decision) or
+            ``backbone`` (the prompt runs on the backbone: exact KV for the prompt; only decode
+            steps exit).
+        rules: explicit exit-rule list (``ExitRuleList.to_list()``); when set it replaces the
+            rules built from ``tau`` and ``min_layer``.
+        offload_from: first backbone layer kept off the compute device (None: no offload).
+        offload_dir: folder for disk offload on CPU-only machines (None: a temporary folder).
+
+    Raises (at construction):
+        RiverError: τ not a number, ``min_layer`` < 1, unknown backend or prefill policy, bad
+            ``offload_from`` or rules.
+    """
+
+    tau: float = 0.95
+    min_layer: int = 1
+    backend: str = "quanto"
+    exit_head: str | None = None
+    prefill: str = "route"
+    rules: list[dict] | None = None
+    offload_from: int | None = None
+    offload_dir: str | None = None
+
+    def __post_init__(self):
+        self.tau = check_tau(self.tau)
+        if not isinstance(self.min_layer, int) or self.min_layer < 1:
+            raise RiverError(f"min_layer must be an integer >= 1, got {self.min_layer!r}")
+        get_backend(self.backend)
+        if self.exit_head is not None:
+            get_backend(self.exit_head)
+        if self.prefill not in PREFILL_POLICIES:
+            raise RiverError(f"prefill must be one of {', '.join(PREFILL_POLICIES)}, got {self.prefill!r}")
+        if self.offload_from is not None and (not isinstance(self.offload_from, int) or self.offload_from < 0):
+            raise RiverError(f"offload_from must be a layer index >= 0 or None, got {self.offload_from!r}")
+        if self.rules is not None:
+            try:
+                rules_from_config(self.rules)
+            except (TypeError, ValueError) as e:
+                raise RiverError(f"invalid River exit rules {self.rules!r}: {e}") from None
+
+    def build_rules(self) -> ExitRuleList:
+        """The rule list in force: ``rules`` when set, else ``[MinLayerRule(min_layer),
+        StateTransitionSimilarityRule(tau)]``."""
+        if self.rules is not None:
+            return rules_from_config(self.rules)
+        return ExitRuleList([MinLayerRule(self.min_layer), StateTransitionSimilarityRule(self.tau)])
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["rules"] = self.build_rules().to_list()
+        d["quantization"] = get_backend(self.backend).to_dict()
+        if self.exit_head is not None:
+            d["exit_head_quantization"] = get_backend(self.exit_head).to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RiverConfig:
+        """Raises RiverError for unknown keys or invalid values."""
+        if not isinstance(d, dict):
+            raise RiverError(f"River settings must be a JSON object, got {type(d).__name__}")
+        d = {k: v for k, v in d.items() if k not in ("quantization", "exit_head_quantization")}
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise RiverError(f"unknown River settings {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**d)
+
+
+def default_config(name_or_key: str | None = None, model_type: str | None = None) -> RiverConfig:
+    """Per-model defaults from ``configs/<key>.json``, else ``configs/default-<model_type>.json``,
+    else ``configs/default.json``, else ``RiverConfig()``.
+
+    ``name_or_key`` may be a model key, its Hub id, or a folder whose name is a key (the cache
+    folders made by :func:`river_hf.models.resolve` are).
+
+    Raises:
+        RiverError: the chosen ``configs/`` file holds invalid settings.
+    """
+    candidates = []
+    if name_or_key:
+        base = Path(str(name_or_key).rstrip("/")).name
+        candidates += [name_or_key, base]
+        candidates += [e.key for e in REGISTRY.values() if e.hub_id.lower() == str(name_or_key).lower()]
+    if model_type:
+        candidates.append(f"default-{model_type}")
+    candidates.append("default")
+    for c in candidates:
+        path = CONFIG_DIR / f"{c}.json"
+        if path.is_file():
+            return RiverConfig.from_dict(json.loads(path.read_text()))
+    return RiverConfig()
