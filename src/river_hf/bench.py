@@ -280,6 +280,7 @@ def handler(args) -> int:
     prompt_ids = [encode_prompt(tokenizer, humaneval_prompt(p))["input_ids"].to(model.device)
                   for p in problems[: args.prompts]]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    river_config = model.river_config.to_dict()  # as loaded (the runs below change τ)
     rows, limit = run_bench(model, prompt_ids, taus, new_tokens=args.new_tokens, repeats=args.repeats,
                             progress=progress, pad_token_id=pad, extra_models=extra)
     device = f"{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
@@ -298,7 +299,7 @@ def handler(args) -> int:
         "machine": machine_id(model.device),
         "bandwidth_limit_gb_s": limit,
         "num_layers": model.river.num_layers,
-        "river_config": model.river_config.to_dict(),
+        "river_config": river_config,
         "river_build_seconds": model.river_build_seconds,
         "kernels": model.river_kernels(),
         "fully_quantized_kernels": {label: m.river_kernels() for label, m in extra.items()},
