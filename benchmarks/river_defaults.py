@@ -49,7 +49,7 @@ def join(bench_files, eval_files) -> list[dict]:
         report = json.loads(Path(path).read_text())
         rc = report["river_config"]
         for r in report["results"]:
-            key = _key(rc["backend"], rc["exit_head"], r.get("mode", "route"), r["tau"])
+            key = _key(rc["backend"], rc.get("exit_head"), r.get("mode", "route"), r["tau"])
             points.setdefault(key, {})["eval"] = {
                 "file": str(path), "pass@1": r["pass@1"], "n": r["n"],
                 "failed": [s["task_id"] for s in r["samples"] if not s["passed"]],
@@ -84,6 +84,7 @@ def plot(points, png: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    seen: dict[float, int] = {}  # labels of points at the same pass@1 alternate above / below
     for p in points:
         b, e = p.get("bench"), p.get("eval")
         if not (b and e):
@@ -93,10 +94,17 @@ def plot(points, png: Path, title: str) -> None:
         color = {"unmodified": "tab:gray", "exit": "tab:red", "route": "tab:blue"}[kind]
         ax.errorbar([sp["median"]], [100 * e["pass@1"]], xerr=[[sp["median"] - sp["min"]], [sp["max"] - sp["median"]]],
                     fmt="o", color=color, capsize=3)
-        ax.annotate(p["label"], (sp["median"], 100 * e["pass@1"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        key = p["key"]
+        short = ("unmodified" if kind == "unmodified" else f"fully {key[1]}" if kind == "exit"
+                 else f"{key[1]}, τ={key[3]:g}")
+        same_y = seen.setdefault(round(e["pass@1"], 3), 0)
+        seen[round(e["pass@1"], 3)] += 1
+        ax.annotate(short, (sp["median"], 100 * e["pass@1"]), textcoords="offset points",
+                    xytext=(-10, 7 if same_y % 2 == 0 else -13), fontsize=8)
     ax.axvline(2.0, color="tab:green", ls="--", lw=1)
     ax.text(2.0, ax.get_ylim()[0], " 2× target", color="tab:green", fontsize=8, va="bottom")
-    ax.set_xlabel("decode speedup over the unmodified model (median, min-max over rounds)")
+    ax.set_xlabel("decode speedup over the unmodified model (median, min-max over rounds)\n"
+                  "River points: exit-layer kernel width, τ (exit head int4, prompt on the backbone)")
     ax.set_ylabel("HumanEval pass@1, first 20 problems (%)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -117,10 +125,12 @@ def main() -> None:
     from river_hf.eval.common import atomic_write, write_json
 
     points = join(args.bench, args.eval)
-    out = Path(args.out)
-    write_json(out.with_suffix(".json"), {"bench": args.bench, "eval": args.eval, "points": points})
-    atomic_write(out.with_suffix(".md"), table(points) + "\n")
-    plot(points, out.with_suffix(".png"), args.title)
+    out = args.out  # a prefix: model names such as qwen2.5-coder-0.5b contain dots
+    write_json(Path(out + ".json"), {"bench": args.bench, "eval": args.eval, "points": points,
+                                     "note": "speedups are per round within each bench run; the unmodified row shows "
+                                             "the last bench file's own unmodified run"})
+    atomic_write(Path(out + ".md"), table(points) + "\n")
+    plot(points, Path(out + ".png"), args.title)
     print(table(points))
 
 
