@@ -138,7 +138,8 @@ def test_exit_head_serves_exited_steps_and_tied_embeddings_stay_tied():
 
 def test_prefill_backbone_keeps_the_prompt_on_the_backbone():
     model = tiny("llama")
-    enable_river(model, tau=-1.0, backend="copy", prefill="backbone", progress=False)
+    with pytest.warns(UserWarning, match="negative"):  # legal, but every step then exits after min_layer
+        enable_river(model, tau=-1.0, backend="copy", prefill="backbone", progress=False)
     model.generate(**prompt(), max_new_tokens=4, do_sample=False)
     s = model.river_stats
     assert s["prefill_exit_layer"] == model.river.num_layers  # the prompt ran on the backbone
