@@ -30,6 +30,7 @@ def test_generate_json_with_compare(smollm2_path):
     rows = {r["label"]: r for r in out["comparison"]["rows"]}
     assert rows["River"]["new_tokens"] == rows["unmodified"]["new_tokens"] == out["timed_new_tokens"]
     assert out["comparison"]["bandwidth_limit_gb_s"] > 0
+    assert out["exit_fraction"] == out["stats"]["exit_fraction"]  # River's own answer, not a timed backbone run
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,7 @@ def run_generate(args) -> int:
               "exit_layer_build_seconds": model.river_build_seconds, "kernels": model.river_kernels()}
     if args.compare:
         result.update(_compare(model, tokenizer, inputs, gen, tokens, answer, args))
+        result["exit_fraction"] = stats.get("exit_fraction")  # River's own answer, not the last timed run
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -153,7 +154,6 @@ def _compare(model, tokenizer, inputs, gen, tokens, answer, args) -> dict:
         "comparison": comparison.to_dict(), "comparison_table": comparison.table(),
         "speedup": river["speedup"], "verdict": river["verdict"], "timed_new_tokens": n,
         "load_average": {"before": load_before, "after": os.getloadavg()[0]},
-        "exit_fraction": model.river_stats.get("exit_fraction"),
     }
 
 
