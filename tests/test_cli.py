@@ -43,6 +43,9 @@ def test_generate_json_with_compare(smollm2_path):
         (["generate", "hi", "--device", "xyz"], "--device must be"),
         (["generate", "hi", "--model", "smollm2-135m", "--backend", "foo"], "unknown quantization backend"),
         (["generate", "hi", "--model", "smollm2-135m", "--exit-head", "int3"], "unknown quantization backend"),
+        (["generate", "hi", "--prefill", "sometimes"], "invalid choice"),
+        (["generate", "hi", "--repeats", "0"], "expected a positive integer"),
+        (["bench", "--prompts", "0"], "expected a positive integer"),
         (["generate", "hi", "--model", "smollm2-135m", "--max-new-tokens", "100000000"], "does not fit"),
     ],
 )

@@ -27,15 +27,23 @@ COMMAND_MODULES = (
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``river-hf generate: error: ...``), exit status 2,
+    as for every other bad input; ``--help`` still shows the full usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="river-hf",
         description="Training-free faster decoding for Hugging Face models: River-LLM, R-Stitch, dLLM-Cache.",
     )
     parser.add_argument("--version", action="version", version=f"river-hf {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineParser)
     for name in COMMAND_MODULES:
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name).register(sub)
