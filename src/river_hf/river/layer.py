@@ -112,7 +112,20 @@ class RiverRouter:
         return self._token_mask
 
 
-class RiverLayer(nn.Module):
+class _ReadsThroughToBackbone(nn.Module):
+    """Attributes the wrapper does not have are looked up on its ``backbone`` (the model's own code
+    reads ``attention_type``, ``layer_idx``, ``weight`` ... from its layers and head)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("backbone", "exit_layer", "exit_head") or "backbone" not in self._modules:
+                raise
+            return getattr(self._modules["backbone"], name)
+
+
+class RiverLayer(_ReadsThroughToBackbone):
     """A decoder layer that runs its backbone, or its exit copy once the router has exited.
 
     Called exactly like the wrapped decoder layer (same arguments, same return value). Attributes
@@ -141,16 +154,9 @@ class RiverLayer(nn.Module):
         router.after_backbone(self.river_layer_idx, hidden_states, out[0] if isinstance(out, tuple) else out)
         return out
 
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in ("backbone", "exit_layer") or "backbone" not in self._modules:
-                raise
-            return getattr(self._modules["backbone"], name)
 
 
-class RiverHead(nn.Module):
+class RiverHead(_ReadsThroughToBackbone):
     """The LM head, routed: the original head (``backbone``) for a pass that stayed on the backbone,
     the quantized ``exit_head`` for a pass that left it (or when ``exit_head`` is None, the original
     head always). Called like the head: ``[batch, tokens, hidden]`` -> ``[batch, tokens, vocab]``.
@@ -170,10 +176,3 @@ class RiverHead(nn.Module):
             return self.exit_head(hidden_states)
         return self.backbone(hidden_states)
 
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in ("backbone", "exit_head") or "backbone" not in self._modules:
-                raise
-            return getattr(self._modules["backbone"], name)
