@@ -284,10 +284,6 @@ class KernelChoice:
     def bits(self) -> int:
         return self.candidates[0].bits
 
-    @property
-    def compute_dtype(self):
-        return self.candidates[0].compute_dtype
-
     def to_dict(self) -> dict:
         d = self.candidates[0].to_dict() if len(self.candidates) == 1 else {
             "name": self.name, "bits": self.bits, "compute_dtype": self.candidates[0].to_dict()["compute_dtype"]}
