@@ -141,17 +141,22 @@ class Measurement:
 def measure_generate(model, inputs: dict, **generate_kwargs) -> Measurement:
     """Run ``model.generate(**inputs, **generate_kwargs)`` under a :class:`TokenTimer` (batch 1).
 
-    A River model's ``river_stats["weight_bytes_per_token"]`` gives the weight bytes per step;
-    otherwise pass ``weight_bytes_per_step=`` (bytes) among the keyword arguments.
+    A River model's ``river_stats["weight_bytes_per_token"]`` gives the weight bytes (converted to
+    per streamer step: in assisted or lossless decoding one step brings several tokens); otherwise
+    pass ``weight_bytes_per_step=`` (bytes per step) among the keyword arguments.
     """
     bytes_per_step = generate_kwargs.pop("weight_bytes_per_step", None)
     timer = TokenTimer(generate_kwargs.pop("streamer", None))
     timer.reset()
     model.generate(**inputs, **generate_kwargs, streamer=timer)
     stats = getattr(model, "river_stats", None) or {}
-    if bytes_per_step is None:
-        bytes_per_step = stats.get("weight_bytes_per_token")
-    return timer.measurement(bytes_per_step)
+    measured = timer.measurement(bytes_per_step)
+    if bytes_per_step is None and stats.get("weight_bytes_per_token") is not None:
+        # River counts bytes per generated token; a streamer step of assisted (lossless) decoding
+        # brings several tokens, so per step = per token x tokens / steps
+        per_token = stats["weight_bytes_per_token"]
+        measured.weight_bytes_per_step = per_token * measured.decode_tokens / max(measured.decode_steps, 1)
+    return measured
 
 
 def _spread(values: list[float]) -> dict:

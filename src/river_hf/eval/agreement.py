@@ -64,7 +64,6 @@ def next_token_agreement(
     ref_tokens, ref_logits = reference  # [N], [N, V]
     n = ref_tokens.shape[0]
 
-    model.river.log.clear()
     cache = RiverCache(config=model.config.get_text_config(decoder=True))
     logits = [model(input_ids=input_ids, cache=cache, use_cache=True).logits[0, -1]]
     for t in range(n - 1):
@@ -75,7 +74,7 @@ def next_token_agreement(
     matches = int((river_logits.argmax(-1) == ref_logits.argmax(-1)).sum())
     ref_logp = torch.log_softmax(ref_logits, -1)
     kl = (ref_logp.exp() * (ref_logp - torch.log_softmax(river_logits, -1))).sum(-1)
-    decode = [entry[2] for entry in model.river.log[1:]]
+    decode = cache.exit_layers[1:]  # the cache records who served each pass (prefill first)
     L = model.river.num_layers
     return {
         "positions": n,

@@ -66,21 +66,21 @@ class CastMemo:
 
     q/k/v projections (and gate/up) receive the same input tensor; the memo casts it to the
     compute dtype once and hands the same cast to its siblings. The tensor's identity *and* its
-    version counter must match, so an input modified in place is cast again.
+    version counter must match, so an input modified in place is cast again. Safe when several
+    threads run the same layer: the memo is one tuple, read and replaced whole.
     """
 
-    __slots__ = ("src", "version", "dst")
+    __slots__ = ("entry",)
 
     def __init__(self):
-        self.src = None
-        self.version = -1
-        self.dst = None
+        self.entry = None  # (source tensor, its version, its cast): one attribute, so a thread reads it whole
 
     def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if x is self.src and x._version == self.version and self.dst.dtype == dtype:
-            return self.dst
+        entry = self.entry  # one read: another thread may replace the entry, never half of it
+        if entry is not None and x is entry[0] and x._version == entry[1] and entry[2].dtype == dtype:
+            return entry[2]
         y = x.to(dtype)
-        self.src, self.version, self.dst = x, x._version, y
+        self.entry = (x, x._version, y)
         return y
 
 

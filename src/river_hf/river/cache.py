@@ -40,15 +40,26 @@ class RiverCache(DynamicCache):
         layers = torch.arange(num_layers)
         return torch.tensor(self.exit_layers, dtype=torch.long)[:, None] <= layers[None, :]
 
-    def crop(self, max_length: int) -> None:
-        """Crop the KV to ``max_length`` positions and drop the records of steps past it."""
-        super().crop(max_length)
-        if max_length < 0:
-            max_length = sum(self.step_tokens) + max_length
-        kept, total = 0, 0
-        for n in self.step_tokens:
-            if total + n > max_length:
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``tokens_to_remove`` positions, transformers' meaning (5.x): ``crop(-n)``
+        removes n, ``crop(0)`` removes none (sliding-window layers may still shrink back to their
+        window). The per-step records follow: steps wholly past the new length are dropped, and a
+        step cut in the middle (a verify pass of several tokens) keeps the tokens that remain, so
+        ``sum(step_tokens)`` equals the cache length again.
+
+        Raises:
+            ValueError: ``tokens_to_remove`` > 0 (the old absolute-length meaning is gone in
+                transformers 5; its layers raise ValueError or RuntimeError for it, this one error
+                says what to pass instead).
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"RiverCache.crop({tokens_to_remove}): a positive value is not supported; pass -n to remove "
+                             "the last n positions (transformers 5 meaning), 0 to remove none")
+        super().crop(tokens_to_remove)
+        remove = abs(int(tokens_to_remove))
+        while remove and self.step_tokens:
+            if self.step_tokens[-1] > remove:
+                self.step_tokens[-1] -= remove
                 break
-            total += n
-            kept += 1
-        del self.exit_layers[kept:], self.step_tokens[kept:]
+            remove -= self.step_tokens.pop()
+            self.exit_layers.pop()

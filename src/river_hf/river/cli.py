@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -28,6 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     add_river_arguments(p)
+    p.add_argument("--lossless", action="store_true",
+                   help="lossless mode: the exit path drafts, the backbone verifies (the unmodified model's tokens, "
+                        "faster); τ then shapes the drafts only")
+    p.add_argument("--draft-tokens", type=positive_int, default=None,
+                   help="lossless mode: drafts of the first round, adapted after each round (default: per-model config)")
     p.add_argument("--compare", action="store_true",
                    help="also time the unmodified model: after the answer, both are timed side by side on the same "
                         "number of new tokens (warm-up, --repeats alternating rounds); prints decode tokens/s, the "
@@ -55,6 +61,8 @@ def _check_args(args) -> float | None:
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise RiverError("--device cuda was asked for, but this torch build sees no CUDA GPU; use --device cpu")
     river_overrides(args)  # unknown kernel names are refused before the model loads
+    if args.draft_tokens is not None and not args.lossless:
+        raise RiverError("--draft-tokens sets the lossless mode's draft length; add --lossless")
     if args.tau is None:
         return None
     try:
@@ -84,8 +92,13 @@ def run_generate(args) -> int:
     if context and prompt_tokens + args.max_new_tokens > context:
         raise RiverError(f"--max-new-tokens {args.max_new_tokens} does not fit: the prompt has {prompt_tokens} tokens and "
                          f"this model's context is {context}; use at most {max(context - prompt_tokens, 0)}")
+    overrides = river_overrides(args)
     model = RiverForCausalLM.from_pretrained(args.model, tau=tau, dtype=dtype, device_map=device,
-                                             progress=not args.json, **river_overrides(args))
+                                             progress=not args.json, **overrides)
+    if args.draft_tokens is not None:
+        model.river_config = dataclasses.replace(model.river_config, draft_tokens=args.draft_tokens)
+    river_mode = "lossless" if args.lossless else "route"
+    label = "River lossless" if args.lossless else "River"
     inputs = inputs.to(device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
     if args.sample:
@@ -101,22 +114,22 @@ def run_generate(args) -> int:
         return out[0, prompt_tokens:], dict(model.river_stats)
 
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    tokens, stats = answer("route", streamer)
+    tokens, stats = answer(river_mode, streamer)
     result = {"model": args.model, "prompt": args.prompt, "text": tokenizer.decode(tokens, skip_special_tokens=True),
               "new_tokens": int(tokens.shape[0]), "river_config": model.river_config.to_dict(), "stats": stats,
               "exit_layer_build_seconds": model.river_build_seconds, "kernels": model.river_kernels()}
     if args.compare:
-        result.update(_compare(model, tokenizer, inputs, gen, tokens, answer, args))
+        result.update(_compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode, label))
         result["exit_fraction"] = stats.get("exit_fraction")  # River's own answer, not the last timed run
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print()
-    print(_stats_line("River", stats, model))
+    print(_stats_line(label, stats, model))
     if args.compare:
         print(result["comparison_table"])
         sp = result["speedup"]
-        print(f"River vs unmodified, decode: {sp['median']:.2f}x (min-max {sp['min']:.2f}-{sp['max']:.2f} over "
+        print(f"{label} vs unmodified, decode: {sp['median']:.2f}x (min-max {sp['min']:.2f}-{sp['max']:.2f} over "
               f"{args.repeats} rounds) {result['verdict']}; token match rate {result['token_match_rate']:.1%} "
               f"over {result['compared_tokens']} tokens")
         note = _slow_note(result)
@@ -125,8 +138,8 @@ def run_generate(args) -> int:
     return 0
 
 
-def _compare(model, tokenizer, inputs, gen, tokens, answer, args) -> dict:
-    """River and the unmodified model timed side by side (river_hf.timing.compare) on as many new
+def _compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode="route", label="River") -> dict:
+    """River (in ``river_mode``) and the unmodified model timed side by side (river_hf.timing.compare) on as many new
     tokens as River's answer had, plus the unmodified answer and the token match rate."""
     import os
 
@@ -143,11 +156,11 @@ def _compare(model, tokenizer, inputs, gen, tokens, answer, args) -> dict:
         return run
 
     load_before = os.getloadavg()[0]
-    comparison = compare({"River": timed("route"), "unmodified": timed("backbone")}, reference="unmodified",
+    comparison = compare({label: timed(river_mode), "unmodified": timed("backbone")}, reference="unmodified",
                          repeats=args.repeats)
     m = min(len(tokens), len(base_tokens))
     match = float((tokens[:m] == base_tokens[:m]).float().mean()) if m else 0.0
-    river = comparison.row("River")
+    river = comparison.row(label)
     return {
         "baseline": {"text": tokenizer.decode(base_tokens, skip_special_tokens=True), "new_tokens": int(base_tokens.shape[0]), "stats": base_stats},
         "token_match_rate": match, "compared_tokens": m,
@@ -163,7 +176,12 @@ def _stats_line(label: str, s: dict, model) -> str:
         line += f" (decode {s['decode_tokens_per_s']:.2f} tokens/s after a {s['prefill_seconds']:.2f} s prefill)"
     if s.get("bandwidth_gb_s") is not None:
         line += f", {s['bandwidth_gb_s']:.1f} GB/s of weights read"
-    if label == "River" and s.get("mean_exit_layer") is not None:
+    if s.get("lossless") and s["lossless"].get("acceptance_rate") is not None:
+        ll = s["lossless"]
+        line += (f", acceptance rate {ll['acceptance_rate']:.0%} ({ll['mean_accepted']:.1f} of "
+                 f"{ll['drafts_per_verify']:.1f} drafts accepted per verify), drafting {ll['draft_seconds']:.1f} s, "
+                 f"verifying {ll['verify_seconds']:.1f} s")
+    elif label == "River" and s.get("mean_exit_layer") is not None:
         line += (f", τ={model.river_config.tau:g}, mean exit layer {s['mean_exit_layer']:.1f}/{s['num_layers']}, "
                  f"{s['exit_fraction']:.0%} of decode steps exited")
     return line

@@ -19,6 +19,10 @@ from ..quant import get_backend
 from .controllers import ExitRuleList, MinLayerRule, StateTransitionSimilarityRule, rules_from_config
 from .layer import PREFILL_POLICIES
 
+#: lossless-mode choices (defined here, at the bottom of the import graph; :mod:`.lossless` reuses them)
+DRAFT_SCHEDULES = ("heuristic", "constant")
+VERIFY_KERNELS = ("auto", "onednn", "torch")
+
 __all__ = ["RiverConfig", "default_config", "check_tau", "warn_if_negative_tau", "CONFIG_DIR"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -82,12 +86,25 @@ class RiverConfig:
             steps exit).
         rules: explicit exit-rule list (``ExitRuleList.to_list()``); when set it replaces the
             rules built from ``tau`` and ``min_layer``.
+        lossless: run ``generate`` in lossless mode by default (the exit path drafts, the backbone
+            verifies: the unmodified model's tokens; :mod:`river_hf.river.lossless`); a saved
+            River folder and its pipeline then default to it. ``model.river_mode(...)`` overrides it.
+        draft_tokens: lossless mode: drafts of the first round, k (>= 1).
+        draft_schedule: lossless mode: ``heuristic`` (k + 2 after a fully accepted round, k - 1
+            otherwise, as transformers' ``num_assistant_tokens_schedule="heuristic"``) or
+            ``constant``.
+        prompt_lookup_tokens: lossless mode: when > 0, a round whose last tokens occurred earlier
+            in the sequence proposes the up to this many tokens that followed them (prompt lookup
+            decoding, no draft pass) instead of drafting through the exit path; 0: off.
+        verify_kernel: lossless mode, fp32 CPU: ``auto`` (oneDNN on prepacked weights for the
+            multi-token verify passes where it measured faster than ``F.linear``; costs a packed
+            copy of the backbone's Linear weights), ``onednn`` or ``torch``.
         offload_from: first backbone layer kept off the compute device (None: no offload).
         offload_dir: folder for disk offload on CPU-only machines (None: a temporary folder).
 
     Raises (at construction):
-        RiverError: τ not a number, ``min_layer`` < 1, unknown backend or prefill policy, bad
-            ``offload_from`` or rules.
+        RiverError: τ not a number, ``min_layer`` < 1, unknown backend, prefill policy, draft
+            schedule or verify kernel, ``draft_tokens`` < 1, bad ``offload_from`` or rules.
     """
 
     tau: float = 0.95
@@ -96,6 +113,11 @@ class RiverConfig:
     exit_head: str | None = None
     prefill: str = "route"
     rules: list[dict] | None = None
+    lossless: bool = False
+    draft_tokens: int = 4
+    draft_schedule: str = "heuristic"
+    prompt_lookup_tokens: int = 0
+    verify_kernel: str = "auto"
     offload_from: int | None = None
     offload_dir: str | None = None
 
@@ -108,6 +130,17 @@ class RiverConfig:
             get_backend(self.exit_head)
         if self.prefill not in PREFILL_POLICIES:
             raise RiverError(f"prefill must be one of {', '.join(PREFILL_POLICIES)}, got {self.prefill!r}")
+        if not isinstance(self.lossless, bool):
+            raise RiverError(f"lossless must be true or false, got {self.lossless!r}")
+        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or self.draft_tokens < 1:
+            raise RiverError(f"draft_tokens must be an integer >= 1, got {self.draft_tokens!r}")
+        if self.draft_schedule not in DRAFT_SCHEDULES:
+            raise RiverError(f"draft_schedule must be one of {', '.join(DRAFT_SCHEDULES)}, got {self.draft_schedule!r}")
+        if (isinstance(self.prompt_lookup_tokens, bool) or not isinstance(self.prompt_lookup_tokens, int)
+                or self.prompt_lookup_tokens < 0):
+            raise RiverError(f"prompt_lookup_tokens must be an integer >= 0 (0: off), got {self.prompt_lookup_tokens!r}")
+        if self.verify_kernel not in VERIFY_KERNELS:
+            raise RiverError(f"verify_kernel must be one of {', '.join(VERIFY_KERNELS)}, got {self.verify_kernel!r}")
         if self.offload_from is not None and (not isinstance(self.offload_from, int) or self.offload_from < 0):
             raise RiverError(f"offload_from must be a layer index >= 0 or None, got {self.offload_from!r}")
         if self.rules is not None:

@@ -10,11 +10,14 @@ The LM head is wrapped the same way (:class:`RiverHead`): a step whose forward p
 backbone reads its logits through the quantized *exit head*, a step that stayed on the backbone
 through the original head (so τ > 1 stays token-identical to the unmodified model).
 
-One :class:`RiverRouter` per model holds the decision of the current forward pass.
+One :class:`RiverRouter` per model holds the exit decision of the forward pass in flight, per thread
+(the state of one call lives with that call, not on the shared model).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import torch
@@ -22,53 +25,147 @@ from torch import nn
 
 from .controllers import ExitRuleList
 
-__all__ = ["RiverRouter", "RiverLayer", "RiverHead", "ROUTE", "BACKBONE_ONLY", "EXIT_ONLY", "PREFILL_POLICIES"]
+__all__ = ["RiverRouter", "RiverLayer", "RiverHead", "ROUTE", "BACKBONE_ONLY", "EXIT_ONLY", "LOSSLESS", "MODES",
+           "PREFILL_POLICIES"]
 
-ROUTE, BACKBONE_ONLY, EXIT_ONLY = "route", "backbone", "exit"
+ROUTE, BACKBONE_ONLY, EXIT_ONLY, LOSSLESS = "route", "backbone", "exit", "lossless"
+#: Router modes. ``route``: River (exit when the rules say so); ``backbone``: never exit (the
+#: unmodified model); ``exit``: every layer its exit copy (the fully quantized model); ``lossless``:
+#: passes run on the backbone (verify, prefill) except the drafts, which the drafter of
+#: :mod:`.lossless` runs inside ``override(mode="route")``.
+MODES = (ROUTE, BACKBONE_ONLY, EXIT_ONLY, LOSSLESS)
 #: ``route``: a multi-token pass (prefill) takes the exit decision once for the whole sequence
 #: (River-LLM's sequence-level exit); ``backbone``: it always runs on the backbone (exact KV for
 #: the prompt), and only one-token decode steps may exit.
 PREFILL_POLICIES = ("route", "backbone")
 
 
+class _ThreadState(threading.local):
+    """What one thread's calls into a River model hold: the pass in flight, the overrides of the
+    calls it is inside (``river_mode``, a per-call τ), and the log of the call being recorded.
+    A fresh instance per thread, so two threads that generate on one model never see each other's
+    routing decisions (``threading.local``)."""
+
+    def __init__(self):
+        self.mode: str | None = None  # override of the router's mode (river_mode), None: the router's own
+        self.rules: ExitRuleList | None = None  # override of the router's rules (per-call τ), None: its own
+        self.log: list | None = None  # the recording call's pass log, None: nothing records
+        self.next_mask = None
+        self.lossless_record = None  # the statistics dict of the lossless generate call in flight
+        self.stats = None  # river_summary of this thread's last generate call
+        self.verify_linear = None  # a lossless call's kernel mode for its backbone passes (lossless.py)
+        self.entered: list = []  # kernel modes entered by the forward pre-hook, exited by the forward hook
+        self.reset_pass(ROUTE, 0)
+
+    def reset_pass(self, mode: str, num_layers: int) -> None:
+        self.stay = mode in (BACKBONE_ONLY, LOSSLESS)
+        self.exited = mode == EXIT_ONLY
+        self.exit_layer = 0 if self.exited else num_layers
+        self.mask = None
+        self.token_mask = None
+
+
 class RiverRouter:
-    """State of the exit decision for the forward pass in flight, and a log of past passes.
+    """The exit decision of the forward pass in flight, kept per thread.
+
+    The settings (``rules``, ``mode``, ``prefill``, ``num_layers``) are shared by every caller of
+    the model. Everything that one forward pass or one ``generate`` call changes (whether the pass
+    has exited, its exit layer, its padding mask, the per-call overrides of :meth:`override`, the
+    log of :meth:`recording`) lives in a ``threading.local``: two threads generating on one model
+    each get the tokens they would get alone.
 
     Attributes:
-        rules: the :class:`ExitRuleList` asked after each backbone layer.
+        rules: the :class:`ExitRuleList` asked after each backbone layer (reading it inside a
+            :meth:`override` gives the override in force for this thread).
         num_layers: number of decoder layers L.
-        mode: ``"route"`` (normal), ``"backbone"`` (never exit) or ``"exit"`` (every layer runs its
-            exit copy: the fully quantized model, for comparisons).
-        exit_layer: for the pass in flight, index of the first layer served by its exit copy
-            (= number of backbone layers run); L when the pass never left the backbone.
+        mode: one of :data:`MODES`; per thread inside :meth:`override`.
         prefill: how multi-token passes are routed (:data:`PREFILL_POLICIES`).
-        log: one ``(batch, tokens, exit_layer, end_time)`` tuple per forward pass since the last
-            reset (``end_time``: ``time.perf_counter()`` seconds when the pass finished).
+        exited: whether the pass in flight (this thread's) has left the backbone.
+        exit_layer: for this thread's pass in flight, index of the first layer served by its exit
+            copy (= number of backbone layers run); L when the pass never left the backbone.
     """
 
     def __init__(self, rules: ExitRuleList, num_layers: int, prefill: str = "route"):
-        self.rules = rules
+        self._rules = rules
+        self._mode = ROUTE
         self.num_layers = num_layers
-        self.mode = ROUTE
         self.prefill = prefill
-        self.exited = False
-        self._stay = False
-        self.exit_layer = num_layers
-        self.log: list[tuple[int, int, int, float]] = []
-        self._mask = None
-        self._token_mask = None
-        self._next_mask = None
+        self._local = _ThreadState()
+        self._last_stats: dict = {}
+
+    # -- settings (shared), with this thread's overrides ---------------------------------------
+
+    @property
+    def rules(self) -> ExitRuleList:
+        return self._local.rules if self._local.rules is not None else self._rules
+
+    @rules.setter
+    def rules(self, rules: ExitRuleList) -> None:
+        self._rules = rules
+
+    @property
+    def mode(self) -> str:
+        return self._local.mode if self._local.mode is not None else self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        self._mode = mode
+
+    @property
+    def exited(self) -> bool:
+        return self._local.exited
+
+    @property
+    def exit_layer(self) -> int:
+        return self._local.exit_layer
+
+    @contextlib.contextmanager
+    def override(self, *, mode: str | None = None, rules: ExitRuleList | None = None):
+        """Within the block, this thread's passes use ``mode`` and/or ``rules`` (None: unchanged);
+        other threads keep theirs. Nests; the previous overrides come back on exit."""
+        local = self._local
+        old = local.mode, local.rules
+        local.mode = mode if mode is not None else local.mode
+        local.rules = rules if rules is not None else local.rules
+        try:
+            yield self
+        finally:
+            local.mode, local.rules = old
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Within the block, this thread's forward passes are logged into the yielded list, one
+        ``(batch, tokens, exit_layer, end_time)`` tuple per pass (``end_time``:
+        ``time.perf_counter()`` seconds when it finished). Outside a recording nothing is kept, so
+        forward-only loops grow no log. Nests: an inner recording gets its own list."""
+        local = self._local
+        old, local.log = local.log, []
+        try:
+            yield local.log
+        finally:
+            local.log = old
+
+    def remember(self, stats: dict) -> None:
+        """Keep ``stats`` as this thread's last call's statistics (and as the model's last)."""
+        self._local.stats = stats
+        self._last_stats = stats
+
+    def last_stats(self) -> dict:
+        """This thread's last call's statistics, else the last call's of any thread, else ``{}``."""
+        return self._local.stats if self._local.stats is not None else self._last_stats
+
+    # -- one forward pass ----------------------------------------------------------------------
 
     def expect_padding_mask(self, attention_mask) -> None:
-        """Give the next forward pass its 2-D padding mask (``[batch, past+tokens]``, 1 or True for
-        real tokens) ahead of time. ``generate`` turns the mask into a 4-D causal mask (or a dict
-        of them) before the decoder stack sees it when the cache is a static one; River's model
-        calls this from ``prepare_inputs_for_generation`` with the 2-D mask it started from."""
+        """Give this thread's next forward pass its 2-D padding mask (``[batch, past+tokens]``, 1 or
+        True for real tokens) ahead of time. ``generate`` turns the mask into a 4-D causal mask (or
+        a dict of them) before the decoder stack sees it when the cache is a static one; River's
+        model calls this from ``prepare_inputs_for_generation`` with the 2-D mask it started from."""
         is_2d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
-        self._next_mask = attention_mask if is_2d else None
+        self._local.next_mask = attention_mask if is_2d else None
 
     def begin(self, attention_mask, tokens: int = 1) -> None:
-        """Start a forward pass of ``tokens`` new tokens per row.
+        """Start a forward pass of ``tokens`` new tokens per row (in this thread).
 
         Args:
             attention_mask: the mask the decoder stack got: 2-D ``[batch, past+tokens]`` (int or
@@ -77,39 +174,44 @@ class RiverRouter:
                 neither, every position counts as real.
             tokens: new tokens per row in this pass.
         """
-        self._stay = self.mode == BACKBONE_ONLY or (tokens > 1 and self.prefill == BACKBONE_ONLY)
-        self.exited = self.mode == EXIT_ONLY
-        self.exit_layer = 0 if self.exited else self.num_layers
+        local = self._local
+        mode = self.mode
+        local.reset_pass(mode, self.num_layers)
+        local.stay = local.stay or (tokens > 1 and self.prefill == BACKBONE_ONLY)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            self._mask = attention_mask
+            local.mask = attention_mask
         else:
-            self._mask = self._next_mask
-        self._next_mask = None
-        self._token_mask = None
+            local.mask = local.next_mask
+        local.next_mask = None
 
     def after_backbone(self, layer_idx: int, hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> None:
         """Ask the rules whether the layers after ``layer_idx`` run as exit layers."""
-        if self.mode != ROUTE or self._stay or layer_idx + 1 >= self.num_layers:
+        local = self._local
+        if local.stay or local.exited or layer_idx + 1 >= self.num_layers:
             return
         if self.rules(layer_idx, hidden_in, hidden_out, self._tokens(hidden_in.shape[1])):
-            self.exited = True
-            self.exit_layer = layer_idx + 1
+            local.exited = True
+            local.exit_layer = layer_idx + 1
 
     def end(self, batch: int, tokens: int, cache=None) -> None:
-        """Finish a forward pass: log it, and tell a :class:`RiverCache` who served each layer."""
-        self.log.append((batch, tokens, self.exit_layer, time.perf_counter()))
+        """Finish a forward pass: log it when a :meth:`recording` is open, and tell a
+        :class:`RiverCache` who served each layer."""
+        local = self._local
+        if local.log is not None:
+            local.log.append((batch, tokens, local.exit_layer, time.perf_counter()))
         if hasattr(cache, "record_exit_layer"):
-            cache.record_exit_layer(self.exit_layer, tokens)
+            cache.record_exit_layer(local.exit_layer, tokens)
 
     def _tokens(self, n: int):
-        if self._mask is None:
+        local = self._local
+        if local.mask is None:
             return None
-        if self._token_mask is None or self._token_mask.shape[1] != n:
-            m = self._mask[:, -n:].bool()
-            self._token_mask = None if bool(m.all()) else m
-            if self._token_mask is None:
-                self._mask = None  # every position is real: no masking needed for this pass
-        return self._token_mask
+        if local.token_mask is None or local.token_mask.shape[1] != n:
+            m = local.mask[:, -n:].bool()
+            local.token_mask = None if bool(m.all()) else m
+            if local.token_mask is None:
+                local.mask = None  # every position is real: no masking needed for this pass
+        return local.token_mask
 
 
 class _ReadsThroughToBackbone(nn.Module):

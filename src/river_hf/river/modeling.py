@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import os
 import time
+import warnings
 
 import torch
 import transformers
@@ -36,7 +37,8 @@ from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_cla
 from .cache import RiverCache
 from .config import CONFIG_DIR, RiverConfig, check_tau, default_config, warn_if_negative_tau
 from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
-from .layer import BACKBONE_ONLY, EXIT_ONLY, ROUTE, RiverHead, RiverLayer, RiverRouter
+from .layer import BACKBONE_ONLY, LOSSLESS, MODES, RiverHead, RiverLayer, RiverRouter
+from .lossless import ExitPathDrafter, lossless_call
 from .offload import build_exit_layer, loading_kwargs, offload_backbone
 from .serialization import check_base_weights, save_river, saved_river_config
 
@@ -58,8 +60,12 @@ _HUB_KWARGS = ("revision", "token", "trust_remote_code", "cache_dir", "local_fil
                "proxies", "subfolder", "code_revision")
 
 #: Attributes ``enable_river`` puts on the model (``disable_river`` removes them).
-_RIVER_ATTRIBUTES = ("river", "river_config", "river_build_seconds", "river_kernel_report", "river_stats",
-                     "_river_step_bytes", "_river_hooks", "_river_generate_start")
+_RIVER_ATTRIBUTES = ("river", "river_config", "river_build_seconds", "river_kernel_report",
+                     "_river_step_bytes", "_river_hooks", "_river_verify_linear", "_river_warned_lossless_batch")
+
+#: ``generate`` arguments that bring their own drafter or decoding loop (refused in lossless mode).
+_OTHER_DRAFTERS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate", "use_mtp",
+                   "assistant_tokenizer")
 
 
 class RiverForCausalLM:
@@ -233,15 +239,26 @@ class RiverForCausalLM:
 
     @contextlib.contextmanager
     def river_mode(self, mode: str):
-        """Temporarily run ``"backbone"`` only (the unmodified model), ``"exit"`` only (the fully
-        quantized model) or ``"route"`` (River)."""
-        if mode not in (ROUTE, BACKBONE_ONLY, EXIT_ONLY):
-            raise ValueError(f"mode must be one of route, backbone, exit; got {mode!r}")
-        old, self.river.mode = self.river.mode, mode
-        try:
+        """Within the block, this thread's calls run in ``mode``:
+
+        - ``"route"``: River (lossy: the exit rule decides per step);
+        - ``"lossless"``: the exit path drafts and the backbone verifies in one shared KV cache
+          (:mod:`river_hf.river.lossless`): the unmodified model's tokens, faster; ``generate``
+          with one sequence (a batch, beam search or ``num_return_sequences`` > 1 runs on the
+          backbone alone: exact, not faster); a plain forward runs the backbone;
+        - ``"backbone"``: the unmodified model;
+        - ``"exit"``: the fully quantized model (every layer its exit copy), for comparisons.
+
+        Other threads keep their mode (per-call state). ``RiverConfig.lossless`` makes
+        ``"lossless"`` the model's own mode.
+
+        Raises:
+            ValueError: an unknown mode.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        with self.river.override(mode=mode):
             yield self
-        finally:
-            self.river.mode = old
 
     @contextlib.contextmanager
     def river_tau_override(self, tau: float | None, stacklevel: int = 1):
@@ -254,39 +271,118 @@ class RiverForCausalLM:
             return
         rules = self.river.rules.with_tau(check_tau(tau))
         _warn_negative_taus(rules, stacklevel=2 + stacklevel)  # past this generator and contextlib's __enter__
-        old, self.river.rules = self.river.rules, rules
-        try:
+        with self.river.override(rules=rules):
             yield self
-        finally:
-            self.river.rules = old
 
     # -- generation ------------------------------------------------------------------------------
 
     def generate(self, *args, river_tau: float | None = None, **kwargs):
-        """transformers' ``generate``, plus River's bookkeeping (``river_stats``) and a per-call τ.
+        """transformers' ``generate``, plus River's bookkeeping (``river_stats``), a per-call τ and
+        the lossless mode.
+
+        In lossless mode (:meth:`river_mode` ``("lossless")`` or ``RiverConfig.lossless``) a call
+        with one sequence runs transformers' assisted decoding with River's exit path as the
+        drafter (:mod:`river_hf.river.lossless`); its tokens are the unmodified model's. A batch,
+        beam search or ``num_return_sequences`` > 1 runs on the backbone (exact, not faster;
+        warns once).
 
         Args:
-            river_tau: threshold τ for this call only (the model's τ is unchanged afterwards).
-                When not given, the ``river_tau`` attribute of the ``generation_config`` passed
-                in, else of ``model.generation_config``, is used when set
-                (``GenerationConfig(river_tau=0.9)``), else the model's τ.
+            river_tau: threshold τ for this call only (the model's τ is unchanged afterwards); in
+                lossless mode it shapes the drafts only. When not given, the ``river_tau``
+                attribute of the ``generation_config`` passed in, else of
+                ``model.generation_config``, is used when set (``GenerationConfig(river_tau=0.9)``),
+                else the model's τ.
             *args, **kwargs: as for ``GenerationMixin.generate``.
 
         Raises:
             RiverError: ``river_tau`` not a number, or no StateTransitionSimilarityRule in force;
-                a ``compile_config`` (River models are not compiled).
+                a ``compile_config`` (River models are not compiled); in lossless mode, an
+                ``assistant_model``, ``prompt_lookup_num_tokens``, ``assistant_early_exit`` or
+                ``custom_generate`` (they would replace River's drafter).
         """
+        gen_config = kwargs.get("generation_config")
+        if gen_config is None and len(args) > 1 and isinstance(args[1], GenerationConfig):
+            gen_config = args[1]
         if river_tau is None:
-            gen_config = kwargs.get("generation_config")
-            if gen_config is None and len(args) > 1 and isinstance(args[1], GenerationConfig):
-                gen_config = args[1]
             river_tau = getattr(gen_config if gen_config is not None else self.generation_config, "river_tau", None)
-        with self.river_tau_override(river_tau, stacklevel=2):
-            self.river.log.clear()
-            self._river_generate_start = time.perf_counter()
+        lossless = self.river.mode == LOSSLESS
+        prompt = _prompt_ids(args, kwargs)
+        record: dict = {}
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.river_tau_override(river_tau, stacklevel=3))
+            if lossless and not self._can_draft(kwargs, gen_config, prompt):
+                lossless = False
+                stack.enter_context(self.river.override(mode=BACKBONE_ONLY))
+            log = stack.enter_context(self.river.recording())
+            if lossless:
+                stack.enter_context(lossless_call(self, record))
+                kwargs["assistant_model"] = self  # transformers' assisted decoding; the drafter is River's
+            start = time.perf_counter()
             out = super().generate(*args, **kwargs)
-            self.river_stats = self.river_summary(time.perf_counter() - self._river_generate_start)
+            seconds = time.perf_counter() - start
+        sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        new_tokens = None
+        if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
+            new_tokens = sequences.shape[0] * (sequences.shape[1] - (prompt.shape[1] if prompt is not None else 0))
+        self.river.remember(self.river_summary(seconds, log=log, start=start, new_tokens=new_tokens,
+                                               lossless=record if lossless else None))
         return out
+
+    def _can_draft(self, kwargs: dict, gen_config, prompt) -> bool:
+        """Whether this lossless-mode call can draft and verify: one sequence, no beams, one
+        return sequence, a cache. When it cannot, the call runs on the backbone alone (warned
+        once per model). Refuses arguments that bring another drafter."""
+        given = [k for k in _OTHER_DRAFTERS if kwargs.get(k) is not None]
+        if given:
+            raise RiverError(
+                f"River's lossless mode drafts with the model's own exit path; {', '.join(given)} would replace that "
+                "drafter: drop it, or leave lossless mode (with model.river_mode('backbone') or 'route')"
+            )
+        base = gen_config if gen_config is not None else self.generation_config
+        beams = kwargs.get("num_beams") or getattr(base, "num_beams", None) or 1
+        returns = kwargs.get("num_return_sequences") or getattr(base, "num_return_sequences", None) or 1
+        use_cache = kwargs.get("use_cache", getattr(base, "use_cache", True))
+        batch = prompt.shape[0] if prompt is not None else 1
+        if beams == 1 and returns == 1 and batch == 1 and use_cache is not False:
+            return True
+        if not self.__dict__.get("_river_warned_lossless_batch"):
+            self.__dict__["_river_warned_lossless_batch"] = True
+            warnings.warn(
+                "River's lossless mode drafts for one sequence at a time (transformers' assisted decoding: batch 1, "
+                "num_beams=1, num_return_sequences=1, with a cache); this call runs on the backbone alone: the same "
+                "tokens, not faster", UserWarning, stacklevel=3)
+        return False
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+        """In a lossless call, River's :class:`~river_hf.river.lossless.ExitPathDrafter`; else
+        transformers' own choice (an ``assistant_model``, prompt lookup, ...)."""
+        record = self.river._local.lossless_record
+        if record is not None and self.river.mode == LOSSLESS:
+            config = self.river_config
+            return ExitPathDrafter(self, generation_config, logits_processor, draft_tokens=config.draft_tokens,
+                                   schedule=config.draft_schedule, record=record,
+                                   prompt_lookup_tokens=config.prompt_lookup_tokens)
+        return super()._get_candidate_generator(
+            generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
+            target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer)
+
+    @property
+    def river_stats(self) -> dict:
+        """Statistics of this thread's last ``generate`` call (another thread's last call when this
+        one has made none); see :meth:`river_summary`."""
+        return self.river.last_stats()
+
+    def river_backbone_modules(self) -> list[nn.Module]:
+        """The modules that run on the backbone path: every backbone layer's modules and the
+        original LM head (what a lossless verify pass computes with)."""
+        _, layers = decoder_stack(self)
+        modules = [m for layer in layers for m in (layer.backbone if isinstance(layer, RiverLayer) else layer).modules()]
+        head = self.get_output_embeddings()
+        if head is not None:
+            modules.append(head.backbone if isinstance(head, RiverHead) else head)
+        return modules
 
     def prepare_inputs_for_generation(self, *args, **kwargs):
         """transformers' own; first hands the 2-D ``attention_mask`` to the router, which needs the
@@ -296,13 +392,21 @@ class RiverForCausalLM:
         return super().prepare_inputs_for_generation(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' own, except that where it would build a ``DynamicCache`` (no cache
+        given, ``cache_implementation`` None or ``"dynamic"``) River builds a :class:`RiverCache`
+        (the same layers, sliding-window ones included, from the config) and, as transformers does
+        for an assistant model's cache, activates its past recording when this model assists
+        another (``generation_config.is_assistant``: the other model will crop it)."""
         user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if (
             user_cache is None
             and generation_config.use_cache is not False
             and generation_config.cache_implementation in (None, "dynamic")
+            and self._supports_default_dynamic_cache()
         ):
             model_kwargs["cache"] = RiverCache(config=self.config.get_text_config(decoder=True))
+            if generation_config.is_assistant:
+                model_kwargs["cache"].activate_past_recording()
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
@@ -315,57 +419,88 @@ class RiverForCausalLM:
             )
         return False
 
-    def river_summary(self, seconds: float | None = None) -> dict:
-        """Statistics of the forward passes since the last ``generate`` started.
+    def river_summary(self, seconds: float | None = None, *, log: list | None = None, start: float | None = None,
+                      new_tokens: int | None = None, lossless: dict | None = None) -> dict:
+        """Statistics of one ``generate`` call from its pass log (:meth:`RiverRouter.recording`).
+
+        Args:
+            seconds: wall time of the call (s).
+            log: the call's ``(batch, tokens, exit_layer, end_time)`` per forward pass.
+            start: ``time.perf_counter()`` at the call's start.
+            new_tokens: tokens the call generated (batch x new positions of the output); None:
+                one per row and forward pass (true for plain decoding, not for drafting).
+            lossless: the lossless drafter's record (:meth:`ExitPathDrafter.stats`), or None.
 
         Returns a dict with:
             num_layers: L.
+            mode: ``"lossless"`` when the call drafted and verified, else ``"route"`` (River, or
+                the mode in force: ``backbone`` / ``exit`` calls run every pass that way).
             prefill_exit_layer: exit layer of the first pass (prefill).
-            decode_steps: number of decode passes.
-            mean_exit_layer: mean over decode steps of the exit layer (= backbone layers run;
-                L means no exit).
-            exit_fraction: fraction of decode steps that left the backbone early.
-            exit_layer_counts: list of L+1 counts; entry k = decode steps whose exit layer is k.
-            new_tokens: generated tokens (batch x passes).
+            forward_passes: passes after the prefill (decode steps; in lossless mode drafts + verifies).
+            decode_steps: passes that could exit: every pass after the prefill, or in lossless
+                mode the draft passes.
+            mean_exit_layer: mean exit layer over those passes (= backbone layers run; L: no exit).
+            exit_fraction: fraction of them that left the backbone early.
+            exit_layer_counts: list of L+1 counts; entry k = passes whose exit layer is k.
+            new_tokens: generated tokens (all rows).
             seconds, tokens_per_s: wall time of the call (s) and new tokens per second over it.
             prefill_seconds: from the call's start to the end of the first forward pass (TTFT, s).
-            decode_seconds, decode_tokens_per_s: time of the decode passes (s) and their tokens per
-                second (batch x decode steps / decode_seconds): decode speed without the prefill.
-            weight_bytes_per_token: mean weight bytes read per decode step (bytes).
-            bandwidth_gb_s: weight_bytes_per_token x decode steps per second / 1e9 (GB/s), over
-                the decode passes.
+            decode_seconds, decode_tokens_per_s: time after the prefill (s; to the end of the last
+                pass, in lossless mode of the last round) and the tokens generated in it per second
+                (new tokens minus the prefill's one per row).
+            weight_bytes_per_token: weight bytes the passes after the prefill read, per token
+                generated after the prefill (a pass reads each weight it uses once, whatever its
+                token count).
+            bandwidth_gb_s: those bytes / decode_seconds / 1e9 (GB/s).
+            lossless: (lossless calls) acceptance rate, mean accepted draft length, drafts per
+                verify, tokens per verify, draft and verify seconds (:meth:`ExitPathDrafter.stats`),
+                plus ``overhead_seconds`` = decode_seconds - draft - verify.
         """
-        log = self.river.log
+        log = log or []
         L = self.river.num_layers
-        decode = [entry[2] for entry in log[1:]]
+        after = log[1:]
+        if lossless is not None:
+            exits = list(lossless.get("draft_exit_layers", []))
+        else:
+            exits = [entry[2] for entry in after]
         counts = [0] * (L + 1)
-        for e in decode:
+        for e in exits:
             counts[e] += 1
         batch = log[0][0] if log else 0
-        new_tokens = batch * len(log)
+        if new_tokens is None:
+            new_tokens = batch * len(log)
         stats = {
             "num_layers": L,
+            "mode": LOSSLESS if lossless is not None else self.river.mode,
             "prefill_exit_layer": log[0][2] if log else None,
-            "decode_steps": len(decode),
-            "mean_exit_layer": (sum(decode) / len(decode)) if decode else None,
-            "exit_fraction": (sum(e < L for e in decode) / len(decode)) if decode else None,
+            "forward_passes": len(after),
+            "decode_steps": len(exits),
+            "mean_exit_layer": (sum(exits) / len(exits)) if exits else None,
+            "exit_fraction": (sum(e < L for e in exits) / len(exits)) if exits else None,
             "exit_layer_counts": counts,
             "new_tokens": new_tokens,
         }
-        if decode:
-            stats["weight_bytes_per_token"] = sum(self._river_step_bytes[e] for e in decode) / len(decode)
+        decode_tokens = new_tokens - batch
+        pass_bytes = sum(self._river_step_bytes[entry[2]] for entry in after)
+        if after and decode_tokens > 0:
+            stats["weight_bytes_per_token"] = pass_bytes / decode_tokens
         if seconds is not None:
             stats["seconds"] = seconds
             stats["tokens_per_s"] = new_tokens / seconds if seconds > 0 else None
-            start = getattr(self, "_river_generate_start", None)
             if log and start is not None:
                 stats["prefill_seconds"] = log[0][3] - start
-            if decode:
-                decode_seconds = log[-1][3] - log[0][3]
+            if after:
+                end = lossless.get("last_round_end", log[-1][3]) if lossless is not None else log[-1][3]
+                decode_seconds = end - log[0][3]
                 stats["decode_seconds"] = decode_seconds
                 if decode_seconds > 0:
-                    stats["decode_tokens_per_s"] = batch * len(decode) / decode_seconds
-                    stats["bandwidth_gb_s"] = stats["weight_bytes_per_token"] * len(decode) / decode_seconds / 1e9
+                    stats["decode_tokens_per_s"] = decode_tokens / decode_seconds
+                    stats["bandwidth_gb_s"] = pass_bytes / decode_seconds / 1e9
+        if lossless is not None:
+            stats["lossless"] = ExitPathDrafter.stats(lossless)
+            if "decode_seconds" in stats:
+                s = stats["lossless"]
+                s["overhead_seconds"] = stats["decode_seconds"] - s["draft_seconds"] - s["verify_seconds"]
         return stats
 
     def river_kernels(self) -> list[dict]:
@@ -460,6 +595,8 @@ def enable_river(
     if tuner is None:
         tuner = default_tuner()
     router = RiverRouter(rule_list, len(layers), prefill=config.prefill)
+    if config.lossless:
+        router.mode = LOSSLESS
     report: list[dict] = []
     start = time.perf_counter()
     backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, tuner or None, report, progress)
@@ -467,7 +604,7 @@ def enable_river(
     build_seconds = time.perf_counter() - start
     if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
         offload_backbone(layers, config.offload_from, config.offload_dir)
-    hooks = _register_router_hooks(stack, router)
+    hooks = _register_router_hooks(stack, router) + _register_verify_hooks(model, router)
 
     # Weight bytes one decode step reads when its exit layer is k: backbone 0..k-1, exit k..L-1, and
     # the exit head when the step left the backbone (k < L), else the original head.
@@ -481,7 +618,6 @@ def enable_river(
     model.river_kernel_report = report
     model._river_step_bytes = step_bytes
     model._river_hooks = hooks
-    model.river_stats = {}
     return model
 
 
@@ -512,6 +648,13 @@ def disable_river(model: nn.Module) -> nn.Module:
     for name in _RIVER_ATTRIBUTES:
         model.__dict__.pop(name, None)
     return model
+
+
+def _prompt_ids(args: tuple, kwargs: dict):
+    """The prompt token ids a ``generate`` call got (``inputs``/``input_ids``, positional or
+    not), or None (``inputs_embeds`` only: the output then holds the new tokens only)."""
+    x = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    return x if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() else None
 
 
 def _overrides(*, exit_head, **fields) -> dict:
@@ -647,6 +790,29 @@ def _refuse_compile() -> None:
         "River models cannot be compiled with torch.compile: the exit decision after each backbone layer is "
         "data-dependent Python control flow; run the model uncompiled (a static cache works uncompiled)"
     )
+
+
+def _register_verify_hooks(model: nn.Module, router: RiverRouter) -> list:
+    """Around each forward of the whole model: a lossless call's backbone passes (prefill,
+    verify; not the drafts, which run in ``route`` mode) run inside its verify kernel mode
+    (:func:`river_hf.river.lossless.verify_mode`), the LM head included. The exit hook runs even
+    when the forward raises, so no mode is left entered."""
+
+    def enter(module, args, kwargs):
+        local = router._local
+        mode = local.verify_linear if router.mode == LOSSLESS else None
+        if mode is not None:
+            mode.__enter__()
+        local.entered.append(mode)
+
+    def leave(module, args, kwargs, output=None):
+        local = router._local
+        mode = local.entered.pop() if local.entered else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    return [model.register_forward_pre_hook(enter, with_kwargs=True),
+            model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
 
 
 def _register_router_hooks(stack: nn.Module, router: RiverRouter) -> list:

@@ -1,0 +1,282 @@
+"""Lossless River: the exit path drafts, the backbone verifies, one shared KV cache.
+
+River's exit path (backbone layers until the exit rule fires, then exit layers and the exit head)
+agrees with the backbone on most next tokens; that is a draft model with a high acceptance rate
+and no weights or cache of its own. In lossless mode each round of decoding
+
+1. **drafts** up to k tokens one by one through the exit path (:class:`ExitPathDrafter`), each
+   draft pass writing its K/V into the same cache slots as always (River-LLM "KV share");
+2. **crops** the cache back to the last accepted position, so the drafts' K/V are gone;
+3. **verifies**: the backbone runs once over [last accepted token + k drafts], writing full
+   precision K/V in their place; greedy keeps the longest prefix of drafts equal to the
+   backbone's argmax plus the backbone's next token, sampling applies the speculative-sampling
+   rule (Leviathan et al. 2023, Alg. 1; Chen et al. 2023): accept draft x with min(1, p(x)/q(x)),
+   on rejection sample from norm(max(p - q, 0)), q being exactly the processed distribution the
+   draft was sampled from and p the backbone's processed distribution.
+
+The prompt is prefilled on the backbone. The tokens are the unmodified model's: identical in
+greedy decoding (up to fp32 summation order of a multi-token pass against one-token passes, as in
+every batched verify), the same distribution in sampling.
+
+Step 3 and the loop are transformers' own assisted decoding (``GenerationMixin._assisted_decoding``
+with ``_speculative_sampling``, its logits processors, stopping criteria and streamers), entered by
+passing the River model as its own ``assistant_model``: the drafter is a transformers
+``CandidateGenerator`` that is handed the main model's cache through ``model_kwargs``
+(``requires_model_outputs``), as transformers' own MTP drafter is, so no loop is copied. The draft
+length k adapts like transformers' ``num_assistant_tokens_schedule="heuristic"`` (+2 when every
+draft was accepted, -1 otherwise) or stays fixed.
+
+Multi-token verify passes of fp32 CPU models run their backbone Linears through
+:class:`river_hf.kernels.PrepackedLinear` where that measured faster (``RiverConfig.verify_kernel``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator, PromptLookupCandidateGenerator
+
+from ..errors import RiverError
+from ..kernels import PrepackedLinear, onednn_available
+from .config import DRAFT_SCHEDULES, VERIFY_KERNELS
+from .layer import ROUTE
+
+__all__ = ["ExitPathDrafter", "lossless_call", "DRAFT_SCHEDULES", "VERIFY_KERNELS", "verify_mode"]
+
+class ExitPathDrafter(CandidateGenerator):
+    """Drafts candidate tokens with the River model's own exit path, in the main model's cache.
+
+    A transformers ``CandidateGenerator`` for ``_assisted_decoding``: ``get_candidates`` is given
+    the main model's ``model_kwargs`` (hence the cache object the verify passes use) and returns
+    the candidates and their processed scores; ``update_candidate_strategy`` adapts k.
+
+    Args:
+        model: the River model (also the verifying model).
+        generation_config: the call's ``GenerationConfig`` (``do_sample``, ``max_length``, EOS).
+        logits_processor: the call's processors (warpers included); drafts are chosen from the
+            scores they return, exactly as the verify pass processes the backbone's logits.
+        draft_tokens: k of the first round (>= 1).
+        schedule: one of :data:`DRAFT_SCHEDULES`.
+        record: dict the statistics of the call are accumulated into (see :meth:`stats`).
+        prompt_lookup_tokens: when > 0, each round first looks for the last tokens (an n-gram of
+            up to 2) earlier in the sequence, and when found proposes the up to this many tokens
+            that followed them (transformers' ``PromptLookupCandidateGenerator``: Saxena 2023,
+            prompt lookup decoding); such a round costs no draft pass. Rounds without a match
+            draft through the exit path. The backbone verifies both kinds alike.
+
+    Raises:
+        RiverError: ``draft_tokens`` < 1 or an unknown ``schedule``.
+    """
+
+    requires_model_outputs = True
+    model_kwargs_overrides: dict = {}
+
+    def __init__(self, model, generation_config, logits_processor, draft_tokens: int = 4,
+                 schedule: str = "heuristic", record: dict | None = None, prompt_lookup_tokens: int = 0):
+        if not isinstance(draft_tokens, int) or draft_tokens < 1:
+            raise RiverError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
+        if schedule not in DRAFT_SCHEDULES:
+            raise RiverError(f"draft_schedule must be one of {', '.join(DRAFT_SCHEDULES)}, got {schedule!r}")
+        self.model = model
+        self.logits_processor = logits_processor
+        self.do_sample = bool(generation_config.do_sample)
+        self.max_length = generation_config.max_length
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        self.eos = None if eos is None else set(torch.atleast_1d(eos).tolist())
+        self.num_draft_tokens = draft_tokens
+        self.schedule = schedule
+        self.record = record if record is not None else {}
+        self.lookup = None
+        if prompt_lookup_tokens:
+            self.lookup = PromptLookupCandidateGenerator(
+                eos_token_id=eos, num_output_tokens=int(prompt_lookup_tokens), max_matching_ngram_size=2,
+                max_length=generation_config.max_length, logits_processor=logits_processor,
+                vocab_size=model.config.get_text_config().vocab_size)
+        self._lookup_round = False
+        for key in ("rounds", "drafted", "accepted", "emitted", "lookup_rounds", "lookup_drafted", "lookup_accepted"):
+            self.record.setdefault(key, 0)
+        for key in ("draft_seconds", "verify_seconds"):
+            self.record.setdefault(key, 0.0)
+        self.record.setdefault("draft_exit_layers", [])
+        self._drafted_now = 0
+        self._verify_start = None
+        self._prefilled = False
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
+                       n_last_matches=0, **kwargs):
+        """Up to k draft tokens after ``input_ids`` (``LongTensor [1, cur_len]``).
+
+        The first iteration drafts nothing: transformers' loop then runs the prefill (on the
+        backbone) as its verify pass. Later, the cache holds ``cur_len - 1`` positions (the last
+        token is not yet in it); the drafts are fed one by one through the exit path and the cache
+        is cropped back to ``cur_len - 1`` before returning.
+
+        Returns:
+            ``(candidate_ids LongTensor [1, cur_len + n], scores float32 [1, n, vocab] or None)``,
+            ``n`` <= k drafts; drafting stops early at an EOS draft or the length limit.
+        """
+        start = time.perf_counter()
+        self._drafted_now = 0
+        if is_first_iteration:
+            self._verify_start = time.perf_counter()
+            return input_ids, None
+        cur_len = input_ids.shape[1]
+        k = min(int(self.num_draft_tokens), self.max_length - cur_len - 1)
+        if k < 1:
+            self._verify_start = time.perf_counter()
+            return input_ids, None
+        self._lookup_round = False
+        if self.lookup is not None:
+            found, _ = self.lookup.get_candidates(input_ids)
+            if found.shape[1] > cur_len:
+                self._lookup_round = True
+                self._drafted_now = found.shape[1] - cur_len
+                self.record["lookup_drafted"] += self._drafted_now
+                self._verify_start = time.perf_counter()
+                self.record["draft_seconds"] += self._verify_start - start
+                return found, None  # no draft distribution: transformers' loop then samples from p and matches
+        cache = model_kwargs["cache"]
+        position_ids = model_kwargs.get("position_ids")
+        position = (position_ids[:, -1:] if position_ids is not None
+                    else torch.full((1, 1), cur_len - 1, dtype=torch.long, device=input_ids.device))
+        mask = model_kwargs.get("attention_mask")
+        sequence, token = input_ids, input_ids[:, -1:]
+        scores = []
+        router = self.model.river
+        with router.override(mode=ROUTE), torch.no_grad():
+            for j in range(k):
+                step_mask = None if mask is None else torch.cat([mask, mask.new_ones((1, j))], dim=-1)
+                out = self.model(input_ids=token, attention_mask=step_mask, position_ids=position + j,
+                                 cache=cache, use_cache=True, logits_to_keep=1)
+                self.record["draft_exit_layers"].append(router.exit_layer)
+                logits = out.logits[:, -1, :].to(torch.float32)
+                processed = self.logits_processor(sequence, logits) if len(self.logits_processor) else logits
+                if self.do_sample:
+                    token = torch.multinomial(processed.softmax(dim=-1), num_samples=1)
+                else:
+                    token = processed.argmax(dim=-1, keepdim=True)
+                sequence = torch.cat([sequence, token], dim=-1)
+                scores.append(processed)
+                if self.eos is not None and int(token) in self.eos:
+                    break
+        drafted = len(scores)
+        cache.crop(-drafted)  # the drafts' K/V; the verify pass writes the backbone's in their place
+        self._drafted_now = drafted
+        self.record["drafted"] += drafted
+        now = time.perf_counter()
+        self.record["draft_seconds"] += now - start
+        self._verify_start = now
+        return sequence, torch.stack(scores, dim=1)
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        """Count the round and adapt k (transformers' "heuristic" schedule, or none)."""
+        now = time.perf_counter()
+        if self._verify_start is not None and self._prefilled:
+            self.record["verify_seconds"] += now - self._verify_start  # (the prefill's own time is not a verify)
+        self._verify_start = None
+        self._prefilled = True
+        self.record["last_round_end"] = now
+        num_matches = int(num_matches)
+        self.record["emitted"] += num_matches + 1
+        if self._drafted_now == 0:
+            return  # the prefill, or a round at the length limit: no draft to judge
+        if self._lookup_round:
+            self.record["lookup_rounds"] += 1
+            self.record["lookup_accepted"] += num_matches
+            return  # k belongs to the exit-path drafts
+        self.record["rounds"] += 1
+        self.record["accepted"] += num_matches
+        if self.schedule == "heuristic":
+            if num_matches == self._drafted_now:
+                self.num_draft_tokens += 2
+            else:
+                self.num_draft_tokens = max(1, self.num_draft_tokens - 1)
+
+    @staticmethod
+    def stats(record: dict) -> dict:
+        """River's lossless statistics of one call from the record a drafter filled.
+
+        Returns a dict with ``rounds`` (verify passes after the prefill that judged exit-path
+        drafts), ``drafted`` and ``accepted`` exit-path draft tokens, ``acceptance_rate``
+        (accepted / drafted), ``mean_accepted`` (accepted drafts per round), ``drafts_per_verify``
+        (drafted per round), the same counts of prompt-lookup rounds (``lookup_rounds``,
+        ``lookup_drafted``, ``lookup_accepted``, ``lookup_acceptance_rate``),
+        ``tokens_per_verify`` (tokens emitted per verify pass of either kind, the bonus included),
+        ``draft_seconds`` and ``verify_seconds`` (wall time spent drafting, and from the end of a
+        draft to the round's acceptance: the verify forward, its logits processing and the
+        acceptance rule), ``mean_draft_exit_layer`` (mean exit layer of the draft passes).
+        """
+        rounds, drafted, accepted = record.get("rounds", 0), record.get("drafted", 0), record.get("accepted", 0)
+        l_rounds, l_drafted, l_accepted = (record.get("lookup_rounds", 0), record.get("lookup_drafted", 0),
+                                           record.get("lookup_accepted", 0))
+        exits = record.get("draft_exit_layers", [])
+        verifies = rounds + l_rounds
+        return {
+            "rounds": rounds,
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted": accepted / rounds if rounds else None,
+            "drafts_per_verify": drafted / rounds if rounds else None,
+            "lookup_rounds": l_rounds,
+            "lookup_drafted": l_drafted,
+            "lookup_accepted": l_accepted,
+            "lookup_acceptance_rate": l_accepted / l_drafted if l_drafted else None,
+            "tokens_per_verify": (accepted + l_accepted + verifies) / verifies if verifies else None,
+            "draft_seconds": record.get("draft_seconds", 0.0),
+            "verify_seconds": record.get("verify_seconds", 0.0),
+            "mean_draft_exit_layer": sum(exits) / len(exits) if exits else None,
+        }
+
+
+_PACK_LOCK = threading.Lock()
+
+
+def verify_mode(model, choice: str, rows: int):
+    """The ``TorchFunctionMode`` the verify passes of ``model`` run in, or None (plain ``F.linear``).
+
+    ``choice`` is ``RiverConfig.verify_kernel``. The prepacked weights are built once per model
+    (the first lossless call; as many bytes as the fp32 backbone Linears) and kept on it; ``auto``
+    measures ``F.linear`` against oneDNN on the largest backbone Linear shape at ``rows`` rows first
+    and packs only when oneDNN was faster (``RIVER_HF_AUTOTUNE=0``: no measurement, no packing).
+    """
+    if choice == "torch" or not onednn_available():
+        return None
+    with _PACK_LOCK:
+        cached = model.__dict__.get("_river_verify_linear")
+        if cached is None:
+            from ..quant.autotune import default_tuner  # None when RIVER_HF_AUTOTUNE=0
+
+            linears = [m for m in model.river_backbone_modules() if isinstance(m, torch.nn.Linear)
+                       and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+            pack = bool(linears) and choice == "onednn"
+            timing = None
+            if linears and choice == "auto" and default_tuner() is not None:
+                biggest = max(linears, key=lambda m: m.weight.numel())
+                timing = PrepackedLinear.measure(biggest.in_features, biggest.out_features, max(2, rows))
+                pack = timing["onednn"] < timing["torch"]
+            cached = (PrepackedLinear(linears) if pack else False, timing)
+            model._river_verify_linear = cached
+        return cached[0] or None
+
+
+@contextlib.contextmanager
+def lossless_call(model, record: dict):
+    """Within the block, this thread's ``generate`` call on ``model`` is a lossless one:
+    ``model._get_candidate_generator`` hands transformers' ``_assisted_decoding`` (entered by
+    passing the model as its own ``assistant_model``) an :class:`ExitPathDrafter` filling
+    ``record``, and forward passes on the backbone (prefill, verify) run in the kernel mode of
+    :func:`verify_mode` (River's forward hooks enter it; draft passes do not: their Linears are
+    quantized, and one-token calls are fast already)."""
+    config = model.river_config
+    local = model.river._local
+    old = local.lossless_record, local.verify_linear
+    local.lossless_record = record
+    local.verify_linear = verify_mode(model, config.verify_kernel, config.draft_tokens + 1)
+    try:
+        yield record
+    finally:
+        local.lossless_record, local.verify_linear = old
