@@ -270,6 +270,10 @@ def main(argv=None) -> int:
         json.dump(report, tmp, indent=1)
     os.replace(tmp.name, args.out)
     _plot(report, os.path.splitext(args.out)[0] + ".png")
+    md = os.path.splitext(args.out)[0] + ".md"
+    with open(md + ".tmp", "w") as f:
+        f.write(markdown(report))
+    os.replace(md + ".tmp", md)
     for m in methods:
         s = summary[m]
         print(f"{m:14s} {s['decode_tokens_per_s']['median']:6.2f} tok/s  x{s['speedup']['median']:.2f} "
@@ -277,6 +281,40 @@ def main(argv=None) -> int:
               f"  acceptance {s['acceptance_rate'] if s['acceptance_rate'] is None else round(s['acceptance_rate'], 3)}"
               f"  pass@1 {s['pass@1']}")
     return 0
+
+
+def markdown(report: dict) -> str:
+    """The summary as a Markdown table (what docs/lossless.md quotes), with the command."""
+    n = len(report["problems"])
+    lines = [f"`{report['command']}`", "",
+             f"{report['model']}, HumanEval first {n}, greedy, <= {report['max_new_tokens']} new tokens; "
+             f"verify kernel {report['verify_kernel']} (baselines: {report['baseline_verify_kernel']}); "
+             f"early exit at layer {report['early_exit_layer']} of {report['num_layers']}; machine bandwidth "
+             f"{report['memory_bandwidth_gb_s']:.1f} GB/s; {report['protocol']}.", "",
+             "| method | decode tok/s, median (min-max) | speedup, median (min-max) | identical to unmodified | "
+             "acceptance rate | tokens per verify | GB/s (% of bandwidth) | pass@1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s in report["summary"].items():
+        d, sp = s["decode_tokens_per_s"], s["speedup"]
+        acc = "" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
+        if s.get("exit_path_acceptance_rate") is not None and s.get("lookup_acceptance_rate") is not None:
+            acc += f" (exit path {s['exit_path_acceptance_rate']:.2f}, lookup {s['lookup_acceptance_rate']:.2f})"
+        tpv = "" if s["tokens_per_verify"] is None else f"{s['tokens_per_verify']:.2f}"
+        bw = "" if s["bandwidth_gb_s"] is None else f"{s['bandwidth_gb_s']:.1f} ({100 * s['bandwidth_share']:.0f} %)"
+        p1 = "" if s["pass@1"] is None else f"{s['pass@1']:.2f}"
+        lines.append(f"| {name} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {sp['median']:.2f} "
+                     f"({sp['min']:.2f}-{sp['max']:.2f}) | {s['identical_completions']}/{n} | {acc} | {tpv} | {bw} | {p1} |")
+    for name, s in report["summary"].items():
+        if "seconds" in s:
+            t = s["seconds"]
+            total = sum(v for v in t.values() if v is not None)
+            lines.append("")
+            lines.append(f"{name}: time after the prefill, all problems: drafting {t['draft_seconds']:.1f} s "
+                         f"({100 * t['draft_seconds'] / total:.0f} %), verifying {t['verify_seconds']:.1f} s "
+                         f"({100 * t['verify_seconds'] / total:.0f} %), other {t['overhead_seconds']:.1f} s"
+                         + ("" if s["mean_draft_exit_layer"] is None else
+                            f"; mean exit layer of the exit-path drafts {s['mean_draft_exit_layer']:.1f}") + ".")
+    return "\n".join(lines) + "\n"
 
 
 def _plot(report: dict, path: str) -> None:

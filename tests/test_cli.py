@@ -33,9 +33,23 @@ def test_generate_json_with_compare(smollm2_path):
     assert out["exit_fraction"] == out["stats"]["exit_fraction"]  # River's own answer, not a timed backbone run
 
 
+@pytest.mark.real_model
+def test_generate_lossless_compare_gives_the_unmodified_tokens(smollm2_path):
+    res = run_cli("generate", "Name three colours.", "--model", "smollm2-135m", "--tau", "0.5",
+                  "--lossless", "--draft-tokens", "3", "--max-new-tokens", "16", "--compare", "--repeats", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["token_match_rate"] == 1.0 and out["text"] == out["baseline"]["text"]
+    ll = out["stats"]["lossless"]
+    assert out["stats"]["mode"] == "lossless" and ll["drafted"] > 0 and 0 <= ll["acceptance_rate"] <= 1
+    assert out["river_config"]["draft_tokens"] == 3
+    assert {r["label"] for r in out["comparison"]["rows"]} == {"River lossless", "unmodified"}
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["generate", "hi", "--draft-tokens", "3"], "add --lossless"),
         (["generate", "   "], "prompt is empty"),
         (["generate", "hi", "--tau", "fast"], "--tau must be a number"),
         (["generate", "hi", "--model", "no-such-model"], "unknown model"),

@@ -290,3 +290,25 @@ def test_auto_from_config_of_a_river_folder_builds_a_river_model(tiny_river_fold
     config = AutoConfig.from_pretrained(tiny_river_folder)
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
     assert isinstance(model, RiverForCausalLM) and model.river_config.tau == 0.5
+
+
+def test_a_lossless_folder_defaults_to_lossless(tmp_path):
+    """RiverConfig.lossless is saved with the folder; the Auto class (what pipeline(...,
+    trust_remote_code=True) loads) then decodes in lossless mode, the unmodified model's tokens,
+    without being told."""
+    from river_hf import RiverConfig
+
+    plain = _tiny_folder(tmp_path)
+    with pytest.warns(UserWarning, match="negative"):
+        model = RiverForCausalLM.from_pretrained(str(plain), river_config=RiverConfig(tau=-2.0, min_layer=2, backend="int4",
+                                                                                      lossless=True), progress=False)
+    out = tmp_path / "river-lossless"
+    model.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["river"]["lossless"] is True
+    with pytest.warns(UserWarning, match="negative"):  # the saved τ is -2: every draft exits
+        auto = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, progress=False)
+    assert auto.river.mode == "lossless"
+    ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(2))
+    ref = AutoModelForCausalLM.from_pretrained(plain).generate(ids, max_new_tokens=20, do_sample=False)
+    assert torch.equal(auto.generate(ids, max_new_tokens=20, do_sample=False), ref)
+    assert auto.river_stats["mode"] == "lossless" and auto.river_stats["lossless"]["drafted"] > 0

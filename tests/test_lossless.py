@@ -129,6 +129,19 @@ def test_lossless_verify_kernels_give_the_same_tokens():
         assert torch.equal(river.generate(ids, max_new_tokens=30, **GEN), ref)
 
 
+def test_lossless_with_prompt_lookup_rounds_equals_unmodified():
+    base = tiny_model("llama")
+    river = river_copy(base, config=RiverConfig(lossless=True, prompt_lookup_tokens=5))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # the last 2-gram occurred before: lookup proposes 7, 8, ...
+    ref = base.generate(ids, max_new_tokens=30, **GEN)
+    out = river.generate(ids, max_new_tokens=30, **GEN)
+    assert torch.equal(out, ref)
+    ll = river.river_stats["lossless"]
+    assert ll["lookup_rounds"] > 0 and ll["lookup_drafted"] > 0
+    with pytest.raises(RiverError, match="prompt_lookup_tokens"):
+        RiverConfig(prompt_lookup_tokens=-1)
+
+
 # -- sampling -----------------------------------------------------------------------------------
 
 

@@ -70,3 +70,19 @@ def test_pipeline_runs_river(river_smollm2, smollm2):
     out = pipe([{"role": "user", "content": QUESTIONS[0]}], max_new_tokens=8, do_sample=False)
     assert "Paris" in out[0]["generated_text"][-1]["content"]
     assert river_smollm2.river_stats["new_tokens"] > 0
+
+
+def test_lossless_is_the_unmodified_model_on_real_weights(smollm2, river_smollm2):
+    """Real exits (τ 0.5: most drafts leave the backbone early), greedy, run to the model's own EOS,
+    which then arrives inside a draft; the tokens must be the unmodified model's."""
+    base, tok = smollm2
+    river_smollm2.set_river_tau(0.5)
+    for question in QUESTIONS:
+        inputs = encode_prompt(tok, question)
+        ref = base.generate(**inputs, max_new_tokens=80, do_sample=False)
+        with river_smollm2.river_mode("lossless"):
+            out = river_smollm2.generate(**inputs, max_new_tokens=80, do_sample=False)
+        assert torch.equal(out, ref)
+        ll = river_smollm2.river_stats["lossless"]
+        assert ll["drafted"] > 0 and ll["accepted"] > 0
+    assert out[0, -1].item() == tok.eos_token_id, "the answer must end at the model's EOS inside the window"
