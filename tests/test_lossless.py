@@ -52,6 +52,35 @@ def test_lossless_greedy_equals_unmodified(family):
         assert s["mean_exit_layer"] == 2  # every draft pass left after min_layer=2 backbone layers
 
 
+class _StopAtLength:
+    """A custom stopping criterion (not max_length): fires once the sequence has ``n`` tokens."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.n, dtype=torch.bool)
+
+
+def test_lossless_stops_where_a_criterion_fires_inside_a_round():
+    """transformers' assisted loop asks stopping criteria once per round; River asks them token by
+    token (FirstStop) and cuts the output there, so it stops where the unmodified model does."""
+    from transformers import StoppingCriteriaList
+
+    base = tiny_model("qwen2")
+    river = river_copy(base, backend="copy")  # every draft accepted: long rounds that jump past the stop
+    ids = prompt(10)
+    for stop_len in (13, 17, 18):
+        crit = StoppingCriteriaList([_StopAtLength(stop_len)])
+        ref = base.generate(ids, max_new_tokens=30, stopping_criteria=crit, **GEN)
+        with river.river_mode("lossless"):
+            out = river.generate(ids, max_new_tokens=30, stopping_criteria=StoppingCriteriaList([_StopAtLength(stop_len)]),
+                                 return_dict_in_generate=True, output_scores=True, **GEN)
+        assert ref.shape[1] == stop_len and torch.equal(out.sequences, ref)
+        assert len(out.scores) == stop_len - ids.shape[1]
+        assert river.river_stats["new_tokens"] == stop_len - ids.shape[1]
+
+
 def test_lossless_rejects_some_drafts_and_stops_at_eos_inside_a_draft():
     base = tiny_model("llama")
     river = river_copy(base)
@@ -90,7 +119,10 @@ def test_lossless_batch_falls_back_to_the_backbone_and_warns():
     with river.river_mode("lossless"), pytest.warns(UserWarning, match="one sequence at a time"):
         out = river.generate(ids, max_new_tokens=12, pad_token_id=0, **GEN)
     assert torch.equal(out, ref)
-    assert river.river_stats["exit_fraction"] == 0.0 and "lossless" not in river.river_stats
+    stats = river.river_stats
+    assert stats["exit_fraction"] == 0.0 and "lossless" not in stats and stats["mode"] == "backbone"
+    with river.river_mode("lossless"), pytest.warns(UserWarning, match="num_beams=2"):  # another reason warns again
+        river.generate(ids[:1], max_new_tokens=4, num_beams=2, **GEN)
 
 
 def test_lossless_refuses_another_drafter():
@@ -98,6 +130,9 @@ def test_lossless_refuses_another_drafter():
     river = river_copy(base)
     with river.river_mode("lossless"), pytest.raises(RiverError, match="assistant_model"):
         river.generate(prompt(), max_new_tokens=4, assistant_model=base, **GEN)
+    from transformers import GenerationConfig
+    with river.river_mode("lossless"), pytest.raises(RiverError, match="prompt_lookup_num_tokens"):
+        river.generate(prompt(), generation_config=GenerationConfig(max_new_tokens=4, prompt_lookup_num_tokens=3))
 
 
 def test_lossless_from_the_config_round_trips(tmp_path):

@@ -86,3 +86,17 @@ def test_lossless_is_the_unmodified_model_on_real_weights(smollm2, river_smollm2
         ll = river_smollm2.river_stats["lossless"]
         assert ll["drafted"] > 0 and ll["accepted"] > 0
     assert out[0, -1].item() == tok.eos_token_id, "the answer must end at the model's EOS inside the window"
+
+
+def test_lossless_honours_stop_strings(smollm2, river_smollm2):
+    """A stop string completed in the middle of a verified round stops there, as it does for the
+    unmodified model."""
+    base, tok = smollm2
+    river_smollm2.set_river_tau(0.5)
+    inputs = encode_prompt(tok, "Write a Python function is_prime(n).")
+    gen = dict(max_new_tokens=40, do_sample=False, stop_strings=["def "], tokenizer=tok)
+    ref = base.generate(**inputs, **gen)
+    with river_smollm2.river_mode("lossless"):
+        out = river_smollm2.generate(**inputs, **gen)
+    assert ref.shape[1] < inputs["input_ids"].shape[1] + 40, "the stop string must fire for the test to mean something"
+    assert torch.equal(out, ref)

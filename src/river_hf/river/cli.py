@@ -132,6 +132,9 @@ def run_generate(args) -> int:
         print(f"{label} vs unmodified, decode: {sp['median']:.2f}x (min-max {sp['min']:.2f}-{sp['max']:.2f} over "
               f"{args.repeats} rounds) {result['verdict']}; token match rate {result['token_match_rate']:.1%} "
               f"over {result['compared_tokens']} tokens")
+        if args.sample:
+            print("(--sample: both answers were sampled, so the token match rate compares two random draws; lossless "
+                  "sampling matches the unmodified model in distribution, and the timed rounds are greedy)")
         note = _slow_note(result)
         if note:
             print(note)

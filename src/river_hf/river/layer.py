@@ -52,6 +52,7 @@ class _ThreadState(threading.local):
         self.log: list | None = None  # the recording call's pass log, None: nothing records
         self.next_mask = None
         self.lossless_record = None  # the statistics dict of the lossless generate call in flight
+        self.first_stop = None  # that call's FirstStop stopping criteria (lossless.py)
         self.stats = None  # river_summary of this thread's last generate call
         self.verify_linear = None  # a lossless call's kernel mode for its backbone passes (lossless.py)
         self.entered: list = []  # kernel modes entered by the forward pre-hook, exited by the forward hook

@@ -37,6 +37,7 @@ import threading
 import time
 
 import torch
+from transformers import StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator, PromptLookupCandidateGenerator
 
 from ..errors import RiverError
@@ -44,7 +45,7 @@ from ..kernels import PrepackedLinear, onednn_available
 from .config import DRAFT_SCHEDULES, VERIFY_KERNELS
 from .layer import ROUTE
 
-__all__ = ["ExitPathDrafter", "lossless_call", "DRAFT_SCHEDULES", "VERIFY_KERNELS", "verify_mode"]
+__all__ = ["ExitPathDrafter", "FirstStop", "lossless_call", "DRAFT_SCHEDULES", "VERIFY_KERNELS", "verify_mode"]
 
 class ExitPathDrafter(CandidateGenerator):
     """Drafts candidate tokens with the River model's own exit path, in the main model's cache.
@@ -230,6 +231,59 @@ class ExitPathDrafter(CandidateGenerator):
             "verify_seconds": record.get("verify_seconds", 0.0),
             "mean_draft_exit_layer": sum(exits) / len(exits) if exits else None,
         }
+
+
+class FirstStop(StoppingCriteriaList):
+    """The call's stopping criteria, asked token by token over the tokens a round added.
+
+    transformers' assisted-decoding loop appends a whole round (accepted drafts + the bonus token)
+    and then asks the criteria once, on the whole sequence; a stop string completed in the middle
+    of the round (or a custom criterion that would have fired there) is then missed, and decoding
+    goes on. This list asks its criteria on every prefix the round added, in order; at the first
+    one that fires it records that length (``stop_at``, tokens incl. the prompt) and says stop.
+    River's ``generate`` then cuts the output back to ``stop_at``: exactly the unmodified model's
+    tokens, which would have stopped there. (A streamer has already been given the round's
+    tokens past that point.)
+    """
+
+    def __init__(self, criteria):
+        super().__init__(criteria)
+        self.stop_at: int | None = None
+        self._seen: int | None = None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        n = input_ids.shape[1]
+        start = n if self._seen is None else min(self._seen + 1, n)
+        self._seen = n
+        for end in range(start, n + 1):
+            done = super().__call__(input_ids[:, :end], scores, **kwargs)
+            if bool(done.all()):
+                self.stop_at = end if self.stop_at is None else self.stop_at
+                return done
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def cut_at_stop(out, stop_at: int | None, prompt_length: int):
+    """``generate``'s output cut back to ``stop_at`` tokens (see :class:`FirstStop`): the
+    sequences, the per-token tuples of a ``return_dict_in_generate`` output, and its cache."""
+    if stop_at is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        return out[:, :stop_at] if out.shape[1] > stop_at else out
+    sequences = getattr(out, "sequences", None)
+    if not isinstance(sequences, torch.Tensor) or sequences.shape[1] <= stop_at:
+        return out
+    extra = sequences.shape[1] - stop_at
+    out.sequences = sequences[:, :stop_at]
+    keep = stop_at - prompt_length
+    for name in ("scores", "logits", "attentions", "hidden_states"):
+        value = getattr(out, name, None)
+        if isinstance(value, tuple) and len(value) > keep:
+            setattr(out, name, value[:keep])
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if cache is not None and hasattr(cache, "crop"):
+        cache.crop(-extra)
+    return out
 
 
 _PACK_LOCK = threading.Lock()

@@ -38,7 +38,7 @@ from .cache import RiverCache
 from .config import CONFIG_DIR, RiverConfig, check_tau, default_config, warn_if_negative_tau
 from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
 from .layer import BACKBONE_ONLY, LOSSLESS, MODES, RiverHead, RiverLayer, RiverRouter
-from .lossless import ExitPathDrafter, lossless_call
+from .lossless import ExitPathDrafter, FirstStop, cut_at_stop, lossless_call
 from .offload import build_exit_layer, loading_kwargs, offload_backbone
 from .serialization import check_base_weights, save_river, saved_river_config
 
@@ -110,6 +110,7 @@ class RiverForCausalLM:
         backend: str | None = None,
         exit_head=_KEEP,
         prefill: str | None = None,
+        lossless: bool | None = None,
         river_config: RiverConfig | None = None,
         offload_from: int | None = None,
         offload_dir: str | None = None,
@@ -126,8 +127,9 @@ class RiverForCausalLM:
         Args:
             pretrained_model_name_or_path: a model key, a local folder or a Hub id
                 (:func:`river_hf.models.resolve`; a Hub id with ``revision=`` is passed on as is).
-            tau, min_layer, backend, exit_head, prefill, offload_from, offload_dir: override single
-                settings (see :class:`RiverConfig`).
+            tau, min_layer, backend, exit_head, prefill, lossless, offload_from, offload_dir:
+                override single settings of the stored ones (see :class:`RiverConfig`);
+                ``lossless=True`` makes lossless mode the model's own.
             river_config: a whole :class:`RiverConfig` replacing the stored settings. Without it,
                 the settings come from the folder's config.json ``"river"``, else from
                 ``configs/<key>.json`` (:func:`default_config`).
@@ -149,7 +151,7 @@ class RiverForCausalLM:
         """
         name = str(pretrained_model_name_or_path)
         overrides = _overrides(tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
-                               offload_from=offload_from, offload_dir=offload_dir)
+                               lossless=lossless, offload_from=offload_from, offload_dir=offload_dir)
         keep_hub_id = "revision" in kwargs and not is_key(name) and not os.path.isdir(name)
         path = name if keep_hub_id else resolve(name, progress=progress)  # resolve ignores revisions
         check_base_weights(path)
@@ -177,6 +179,7 @@ class RiverForCausalLM:
         backend: str | None = None,
         exit_head=_KEEP,
         prefill: str | None = None,
+        lossless: bool | None = None,
         river_config: RiverConfig | None = None,
         progress: bool = True,
         **kwargs,
@@ -187,7 +190,7 @@ class RiverForCausalLM:
         Args:
             config: a ``PretrainedConfig`` of a causal LM (e.g. a tiny ``LlamaConfig``); its
                 ``river`` attribute, when present, gives the River settings.
-            tau, min_layer, backend, exit_head, prefill, river_config, progress: as for
+            tau, min_layer, backend, exit_head, prefill, lossless, river_config, progress: as for
                 :meth:`from_pretrained`.
             **kwargs: passed to ``from_config`` (``dtype``, ``attn_implementation``, ...).
 
@@ -201,7 +204,7 @@ class RiverForCausalLM:
         if river_config is None:
             river_config = saved_river_config(config)
         model = enable_river(model, tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
-                             config=river_config, progress=progress)
+                             lossless=lossless, config=river_config, progress=progress)
         return _as_class(model, cls)
 
     @classmethod
@@ -308,11 +311,13 @@ class RiverForCausalLM:
         lossless = self.river.mode == LOSSLESS
         prompt = _prompt_ids(args, kwargs)
         record: dict = {}
+        local = self.river._local
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.river_tau_override(river_tau, stacklevel=3))
             if lossless and not self._can_draft(kwargs, gen_config, prompt):
                 lossless = False
                 stack.enter_context(self.river.override(mode=BACKBONE_ONLY))
+            mode = self.river.mode
             log = stack.enter_context(self.river.recording())
             if lossless:
                 stack.enter_context(lossless_call(self, record))
@@ -320,37 +325,52 @@ class RiverForCausalLM:
             start = time.perf_counter()
             out = super().generate(*args, **kwargs)
             seconds = time.perf_counter() - start
+            stop = local.first_stop if lossless else None
+            local.first_stop = None
+        if stop is not None:  # a criterion fired inside the last round: cut there (see FirstStop)
+            out = cut_at_stop(out, stop.stop_at, prompt.shape[1] if prompt is not None else 0)
         sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
         new_tokens = None
         if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
             new_tokens = sequences.shape[0] * (sequences.shape[1] - (prompt.shape[1] if prompt is not None else 0))
-        self.river.remember(self.river_summary(seconds, log=log, start=start, new_tokens=new_tokens,
-                                               lossless=record if lossless else None))
+        stats = self.river_summary(seconds, log=log, start=start, new_tokens=new_tokens,
+                                   lossless=record if lossless else None)
+        stats["mode"] = mode
+        self.river.remember(stats)
         return out
 
     def _can_draft(self, kwargs: dict, gen_config, prompt) -> bool:
         """Whether this lossless-mode call can draft and verify: one sequence, no beams, one
         return sequence, a cache. When it cannot, the call runs on the backbone alone (warned
-        once per model). Refuses arguments that bring another drafter."""
-        given = [k for k in _OTHER_DRAFTERS if kwargs.get(k) is not None]
+        once per model and reason). Refuses arguments, or generation-config settings, that bring
+        another drafter."""
+        base = gen_config if gen_config is not None else self.generation_config
+        given = [k for k in _OTHER_DRAFTERS if kwargs.get(k) is not None or getattr(base, k, None) not in (None, False)]
         if given:
             raise RiverError(
                 f"River's lossless mode drafts with the model's own exit path; {', '.join(given)} would replace that "
-                "drafter: drop it, or leave lossless mode (with model.river_mode('backbone') or 'route')"
+                "drafter: drop it (from the call or the generation config), or leave lossless mode "
+                "(model.river_mode('backbone') or 'route'); for prompt lookup inside lossless mode set "
+                "RiverConfig.prompt_lookup_tokens"
             )
-        base = gen_config if gen_config is not None else self.generation_config
         beams = kwargs.get("num_beams") or getattr(base, "num_beams", None) or 1
         returns = kwargs.get("num_return_sequences") or getattr(base, "num_return_sequences", None) or 1
         use_cache = kwargs.get("use_cache", getattr(base, "use_cache", True))
         batch = prompt.shape[0] if prompt is not None else 1
-        if beams == 1 and returns == 1 and batch == 1 and use_cache is not False:
+        reasons = [why for why, bad in (("a batch of %d sequences" % batch, batch > 1), ("num_beams=%d" % beams, beams > 1),
+                                        ("num_return_sequences=%d" % returns, returns > 1),
+                                        ("use_cache=False", use_cache is False)) if bad]
+        if not reasons:
             return True
-        if not self.__dict__.get("_river_warned_lossless_batch"):
-            self.__dict__["_river_warned_lossless_batch"] = True
+        warned = self.__dict__.setdefault("_river_warned_lossless_batch", set())
+        key = tuple(r.split("=")[0].split(" of ")[0] for r in reasons)
+        if key not in warned:
+            warned.add(key)
             warnings.warn(
-                "River's lossless mode drafts for one sequence at a time (transformers' assisted decoding: batch 1, "
-                "num_beams=1, num_return_sequences=1, with a cache); this call runs on the backbone alone: the same "
-                "tokens, not faster", UserWarning, stacklevel=3)
+                f"River's lossless mode drafts for one sequence at a time (transformers' assisted decoding: batch 1, "
+                f"num_beams=1, num_return_sequences=1, with a cache); this call has {', '.join(reasons)}, so it runs on "
+                "the backbone alone: the same tokens, not faster (river_stats['mode'] says 'backbone')",
+                UserWarning, stacklevel=3)
         return False
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
@@ -367,6 +387,16 @@ class RiverForCausalLM:
             generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
             logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
             target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer)
+
+    def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None):
+        """transformers' own; in a lossless call wrapped in :class:`~river_hf.river.lossless.FirstStop`
+        (asked token by token over each round, so a stop string inside a round stops there)."""
+        criteria = super()._get_stopping_criteria(generation_config, stopping_criteria, tokenizer)
+        local = self.river._local
+        if local.lossless_record is not None and self.river.mode == LOSSLESS:
+            criteria = FirstStop(criteria)
+            local.first_stop = criteria
+        return criteria
 
     @property
     def river_stats(self) -> dict:
@@ -554,6 +584,7 @@ def enable_river(
     backend: str | None = None,
     exit_head=_KEEP,
     prefill: str | None = None,
+    lossless: bool | None = None,
     rules: ExitRuleList | list | None = None,
     config: RiverConfig | None = None,
     allow_untested: bool = False,
@@ -567,7 +598,7 @@ def enable_river(
         tau: threshold τ of the state transition similarity (River-LLM Sec. 3.2); None takes the
             per-model default from ``configs/``. A negative τ is legal and warns (nearly every
             step then leaves the backbone after ``min_layer`` layers).
-        min_layer, backend, exit_head, prefill: override the defaults (see :class:`RiverConfig`).
+        min_layer, backend, exit_head, prefill, lossless: override the defaults (see :class:`RiverConfig`).
         rules: explicit exit rules instead of tau/min_layer: an :class:`ExitRuleList`, a list of
             rules (``[MinLayerRule(2), StateTransitionSimilarityRule(0.9)]``) or ``to_list()`` dicts.
         config: a whole :class:`RiverConfig`; the other keyword arguments override its fields.
@@ -587,7 +618,7 @@ def enable_river(
     """
     _check_supported(model, allow_untested)
     config = _settings(model, config, tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head,
-                       prefill=prefill, rules=rules)
+                       prefill=prefill, lossless=lossless, rules=rules)
     stack, layers = decoder_stack(model)
     rule_list = config.build_rules()
     _check_min_layer(rule_list, len(layers), model)
