@@ -335,6 +335,7 @@ def _plot(report: dict, path: str) -> None:
         acc = summary[n]["acceptance_rate"]
         label = f"acc {acc:.0%}" if acc is not None else ""
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, 0.05), ha="center", color="white", fontsize=8)
+    ax.set_xticks(range(len(names)), [n.replace("+", "+\n") for n in names], fontsize=8)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_ylabel("decode speedup vs unmodified\n(median, min-max over problems)")
     ax.set_title(f"{report['model']}: lossless decoders, HumanEval first {len(report['problems'])}, greedy, "
