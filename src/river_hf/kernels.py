@@ -94,8 +94,8 @@ class PrepackedLinear(TorchFunctionMode):
     Why: a verify forward of speculative decoding runs every backbone Linear on k+1 = 2..16 tokens.
     torch's ``F.linear`` (MKL sgemm) repacks the weight on every such call, so it streams weights
     at about half the speed of a one-token GEMV (measured on a 2-core Xeon with AMX, torch 2.13,
-    896→4864: 26 GB/s at 1 row, 13.6 at 4, 10.5 at 8); oneDNN on a prepacked copy reads them at
-    20-23 GB/s for the same rows (:meth:`measure` times both on the machine at hand, and River's
+    896→4864: 26 GB/s at 1 row, 13.4 at 4, 8.7 at 8); oneDNN on a prepacked copy reads them at
+    21 GB/s at 4 rows, 15 at 8 (``benchmarks/verify_linear.py``) (:meth:`measure` times both on the machine at hand, and River's
     lossless mode uses this mode only where it measured faster). The cost is a second copy of the
     packed weights in memory (as many bytes as the fp32 weights).
 

@@ -97,7 +97,7 @@ class ExitPathDrafter(CandidateGenerator):
                 max_length=generation_config.max_length, logits_processor=logits_processor,
                 vocab_size=model.config.get_text_config().vocab_size)
         self._lookup_round = False
-        for key in ("rounds", "drafted", "accepted", "emitted", "lookup_rounds", "lookup_drafted", "lookup_accepted"):
+        for key in ("rounds", "drafted", "accepted", "lookup_rounds", "lookup_drafted", "lookup_accepted"):
             self.record.setdefault(key, 0)
         for key in ("draft_seconds", "verify_seconds"):
             self.record.setdefault(key, 0.0)
@@ -181,7 +181,6 @@ class ExitPathDrafter(CandidateGenerator):
         self._prefilled = True
         self.record["last_round_end"] = now
         num_matches = int(num_matches)
-        self.record["emitted"] += num_matches + 1
         if self._drafted_now == 0:
             return  # the prefill, or a round at the length limit: no draft to judge
         if self._lookup_round:
