@@ -133,7 +133,10 @@ def test_exit_head_serves_exited_steps_and_tied_embeddings_stay_tied():
     assert len(heads) == 1 and heads[0]["kernel"] == "torch-int4"
     # Exited steps read the exit head's bytes, backbone steps the original head's.
     L = model.river.num_layers
-    assert model._river_step_bytes[0] < model._river_step_bytes[L]
+    assert model.river_step_bytes(0) < model.river_step_bytes(L)
+    # the baselines read no exit layers after the exit, state propagation only their K/V projections
+    assert model.river_step_bytes(1, "skipdecode") < model.river_step_bytes(1, "state-propagation") \
+        < model.river_step_bytes(1, "river")
 
 
 def test_prefill_backbone_keeps_the_prompt_on_the_backbone():

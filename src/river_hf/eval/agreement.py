@@ -66,9 +66,12 @@ def next_token_agreement(
 
     cache = RiverCache(config=model.config.get_text_config(decoder=True))
     logits = [model(input_ids=input_ids, cache=cache, use_cache=True).logits[0, -1]]
+    strategy = model.river.strategy
     for t in range(n - 1):
-        step = ref_tokens[t : t + 1][None]
-        logits.append(model(input_ids=step, cache=cache, use_cache=True).logits[0, -1])
+        seq = torch.cat([input_ids[0], ref_tokens[: t + 1]])[None]
+        # as generate would: the strategy may re-feed earlier tokens (recompute: the exited ones)
+        feed = strategy.prepare_inputs(model, seq, {"cache": cache}) if model.river.mode == "route" else None
+        logits.append(model(input_ids=seq[:, -(feed or 1):], cache=cache, use_cache=True).logits[0, -1])
     river_logits = torch.stack(logits).float()  # [N, V]
 
     matches = int((river_logits.argmax(-1) == ref_logits.argmax(-1)).sum())

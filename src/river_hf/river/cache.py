@@ -57,6 +57,16 @@ class RiverCache(DynamicCache):
                              "the last n positions (transformers 5 meaning), 0 to remove none")
         super().crop(tokens_to_remove)
         remove = abs(int(tokens_to_remove))
+        self.trim_records(remove)
+        marks = getattr(self, "river_absent", None)  # KVMask's per-layer absence marks follow the cut
+        if marks and remove:
+            for idx, rec in marks.items():
+                marks[idx] = rec[:, :-remove]
+
+    def trim_records(self, remove: int) -> None:
+        """Drop the per-step records of the last ``remove`` positions (a step cut in the middle keeps
+        its remaining tokens). Called by :meth:`crop`, and by the ``recompute`` strategy, which cuts
+        each layer back by its own amount (:mod:`.strategies`)."""
         while remove and self.step_tokens:
             if self.step_tokens[-1] > remove:
                 self.step_tokens[-1] -= remove

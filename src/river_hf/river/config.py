@@ -18,6 +18,7 @@ from ..models import REGISTRY
 from ..quant import get_backend
 from .controllers import ExitRuleList, MinLayerRule, StateTransitionSimilarityRule, rules_from_config
 from .layer import PREFILL_POLICIES
+from .strategies import STRATEGIES
 
 #: lossless-mode choices (defined here, at the bottom of the import graph; :mod:`.lossless` reuses them)
 DRAFT_SCHEDULES = ("heuristic", "constant")
@@ -86,6 +87,11 @@ class RiverConfig:
             steps exit).
         rules: explicit exit-rule list (``ExitRuleList.to_list()``); when set it replaces the
             rules built from ``tau`` and ``min_layer``.
+        strategy: what the layers after an exit do (:mod:`river_hf.river.strategies`): ``river``
+            (their exit layers, KV share), or one of the baselines River-LLM compares with, which
+            read the token out at the exit (no exit layers) and differ in the skipped layers' K/V:
+            ``recompute`` (EE-LLM), ``skipdecode`` (SkipDecode), ``state-propagation`` (CALM),
+            ``kv-mask`` (D-LLM). Lossless mode needs ``river``.
         lossless: run ``generate`` in lossless mode by default (the exit path drafts, the backbone
             verifies: the unmodified model's tokens; :mod:`river_hf.river.lossless`); a saved
             River folder and its pipeline then default to it. ``model.river_mode(...)`` overrides it.
@@ -103,8 +109,8 @@ class RiverConfig:
         offload_dir: folder for disk offload on CPU-only machines (None: a temporary folder).
 
     Raises (at construction):
-        RiverError: τ not a number, ``min_layer`` < 1, unknown backend, prefill policy, draft
-            schedule or verify kernel, ``draft_tokens`` < 1, bad ``offload_from`` or rules.
+        RiverError: τ not a number, ``min_layer`` < 1, unknown backend, prefill policy, strategy,
+            draft schedule or verify kernel, lossless with a baseline strategy, ``draft_tokens`` < 1, bad ``offload_from`` or rules.
     """
 
     tau: float = 0.95
@@ -113,6 +119,7 @@ class RiverConfig:
     exit_head: str | None = None
     prefill: str = "route"
     rules: list[dict] | None = None
+    strategy: str = "river"
     lossless: bool = False
     draft_tokens: int = 4
     draft_schedule: str = "heuristic"
@@ -130,8 +137,13 @@ class RiverConfig:
             get_backend(self.exit_head)
         if self.prefill not in PREFILL_POLICIES:
             raise RiverError(f"prefill must be one of {', '.join(PREFILL_POLICIES)}, got {self.prefill!r}")
+        if self.strategy not in STRATEGIES:
+            raise RiverError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if not isinstance(self.lossless, bool):
             raise RiverError(f"lossless must be true or false, got {self.lossless!r}")
+        if self.lossless and self.strategy != "river":
+            raise RiverError(f"lossless mode drafts with River's exit layers: it needs strategy 'river', got "
+                             f"{self.strategy!r} (set lossless=false to run the baseline)")
         if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or self.draft_tokens < 1:
             raise RiverError(f"draft_tokens must be an integer >= 1, got {self.draft_tokens!r}")
         if self.draft_schedule not in DRAFT_SCHEDULES:
@@ -174,6 +186,38 @@ class RiverConfig:
         if unknown:
             raise RiverError(f"unknown River settings {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(cls)]}")
         return cls(**d)
+
+    def to_file(self, path) -> None:
+        """Write these settings as a ``configs/``-style JSON file (the fields; the rule list only when
+        ``rules`` is set), via a temporary file renamed into place."""
+        import os
+        import tempfile
+
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "rules" or v is not None}
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(d, indent=2) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def from_file(cls, path) -> RiverConfig:
+        """Settings from a ``configs/``-style JSON file (what :meth:`to_file` and ``river-hf
+        calibrate --out`` write); load a model with them as
+        ``RiverForCausalLM.from_pretrained(name, river_config=RiverConfig.from_file(path))``.
+
+        Raises:
+            RiverError: the file is missing or not JSON, or holds unknown keys or invalid values.
+        """
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise RiverError(f"River settings file {path}: {type(e).__name__}: {e}") from None
+        return cls.from_dict(d)
 
 
 def default_config(name_or_key: str | None = None, model_type: str | None = None) -> RiverConfig:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .controllers import ExitRuleList
+from .strategies import ExitStrategy, get_strategy
 
 __all__ = ["RiverRouter", "RiverLayer", "RiverHead", "ROUTE", "BACKBONE_ONLY", "EXIT_ONLY", "LOSSLESS", "MODES",
            "PREFILL_POLICIES"]
@@ -38,6 +39,7 @@ MODES = (ROUTE, BACKBONE_ONLY, EXIT_ONLY, LOSSLESS)
 #: (River-LLM's sequence-level exit); ``backbone``: it always runs on the backbone (exact KV for
 #: the prompt), and only one-token decode steps may exit.
 PREFILL_POLICIES = ("route", "backbone")
+_EXIT_LAYERS = get_strategy("river")
 
 
 class _ThreadState(threading.local):
@@ -49,6 +51,8 @@ class _ThreadState(threading.local):
     def __init__(self):
         self.mode: str | None = None  # override of the router's mode (river_mode), None: the router's own
         self.rules: ExitRuleList | None = None  # override of the router's rules (per-call τ), None: its own
+        self.strategy: ExitStrategy | None = None  # override of the router's strategy, None: its own
+        self.decode_pass = False  # the next pass is a decode step even with several tokens (Recompute)
         self.log: list | None = None  # the recording call's pass log, None: nothing records
         self.next_mask = None
         self.lossless_record = None  # the statistics dict of the lossless generate call in flight
@@ -58,10 +62,13 @@ class _ThreadState(threading.local):
         self.entered: list = []  # kernel modes entered by the forward pre-hook, exited by the forward hook
         self.reset_pass(ROUTE, 0)
 
-    def reset_pass(self, mode: str, num_layers: int) -> None:
+    def reset_pass(self, mode: str, num_layers: int, strategy: ExitStrategy | None = None) -> None:
         self.stay = mode in (BACKBONE_ONLY, LOSSLESS)
         self.exited = mode == EXIT_ONLY
         self.exit_layer = 0 if self.exited else num_layers
+        self.cap = num_layers  # deepest exit layer this pass may have (SkipDecode)
+        # what the layers after the exit run: the exit copies in "exit" mode (the fully quantized model)
+        self.pass_strategy = _EXIT_LAYERS if self.exited or strategy is None else strategy
         self.mask = None
         self.token_mask = None
 
@@ -78,6 +85,8 @@ class RiverRouter:
     Attributes:
         rules: the :class:`ExitRuleList` asked after each backbone layer (reading it inside a
             :meth:`override` gives the override in force for this thread).
+        strategy: the :class:`~river_hf.river.strategies.ExitStrategy` that says what the layers
+            after the exit do (River's exit layers, or a baseline); per thread inside :meth:`override`.
         num_layers: number of decoder layers L.
         mode: one of :data:`MODES`; per thread inside :meth:`override`.
         prefill: how multi-token passes are routed (:data:`PREFILL_POLICIES`).
@@ -86,8 +95,9 @@ class RiverRouter:
             copy (= number of backbone layers run); L when the pass never left the backbone.
     """
 
-    def __init__(self, rules: ExitRuleList, num_layers: int, prefill: str = "route"):
+    def __init__(self, rules: ExitRuleList, num_layers: int, prefill: str = "route", strategy="river"):
         self._rules = rules
+        self._strategy = get_strategy(strategy)
         self._mode = ROUTE
         self.num_layers = num_layers
         self.prefill = prefill
@@ -113,6 +123,14 @@ class RiverRouter:
         self._mode = mode
 
     @property
+    def strategy(self) -> ExitStrategy:
+        return self._local.strategy if self._local.strategy is not None else self._strategy
+
+    @strategy.setter
+    def strategy(self, strategy) -> None:
+        self._strategy = get_strategy(strategy)
+
+    @property
     def exited(self) -> bool:
         return self._local.exited
 
@@ -121,17 +139,22 @@ class RiverRouter:
         return self._local.exit_layer
 
     @contextlib.contextmanager
-    def override(self, *, mode: str | None = None, rules: ExitRuleList | None = None):
-        """Within the block, this thread's passes use ``mode`` and/or ``rules`` (None: unchanged);
-        other threads keep theirs. Nests; the previous overrides come back on exit."""
+    def override(self, *, mode: str | None = None, rules: ExitRuleList | None = None, strategy=None):
+        """Within the block, this thread's passes use ``mode``, ``rules`` and/or ``strategy`` (a
+        name or object; None: unchanged); other threads keep theirs. Nests; the previous
+        overrides come back on exit.
+
+        Raises:
+            RiverError: an unknown strategy name."""
         local = self._local
-        old = local.mode, local.rules
+        old = local.mode, local.rules, local.strategy
         local.mode = mode if mode is not None else local.mode
         local.rules = rules if rules is not None else local.rules
+        local.strategy = get_strategy(strategy) if strategy is not None else local.strategy
         try:
             yield self
         finally:
-            local.mode, local.rules = old
+            local.mode, local.rules, local.strategy = old
 
     @contextlib.contextmanager
     def recording(self):
@@ -165,7 +188,13 @@ class RiverRouter:
         is_2d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
         self._local.next_mask = attention_mask if is_2d else None
 
-    def begin(self, attention_mask, tokens: int = 1) -> None:
+    def expect_decode_pass(self) -> None:
+        """This thread's next forward pass is a decode step even if it has several tokens (the
+        :class:`~river_hf.river.strategies.Recompute` strategy re-feeds exited tokens with the new
+        one), so ``prefill="backbone"`` does not keep it on the backbone."""
+        self._local.decode_pass = True
+
+    def begin(self, attention_mask, tokens: int = 1, cache=None) -> None:
         """Start a forward pass of ``tokens`` new tokens per row (in this thread).
 
         Args:
@@ -174,11 +203,21 @@ class RiverRouter:
                 the mask given by :meth:`expect_padding_mask` for this pass is used, if any; with
                 neither, every position counts as real.
             tokens: new tokens per row in this pass.
+            cache: the pass's KV cache (the strategy may cap the exit layer from it), or None.
+
+        Raises:
+            RiverError: the strategy in force needs a dynamic cache and ``cache`` is another kind.
         """
         local = self._local
         mode = self.mode
-        local.reset_pass(mode, self.num_layers)
-        local.stay = local.stay or (tokens > 1 and self.prefill == BACKBONE_ONLY)
+        strategy = self.strategy if mode == ROUTE else None
+        local.reset_pass(mode, self.num_layers, strategy)
+        prefill = tokens > 1 and not local.decode_pass
+        local.decode_pass = False
+        local.stay = local.stay or (prefill and self.prefill == BACKBONE_ONLY)
+        if strategy is not None and not strategy.runs_exit_layers:
+            strategy.check_cache(cache)
+            local.cap = strategy.exit_cap(cache, self.num_layers)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             local.mask = attention_mask
         else:
@@ -190,7 +229,7 @@ class RiverRouter:
         local = self._local
         if local.stay or local.exited or layer_idx + 1 >= self.num_layers:
             return
-        if self.rules(layer_idx, hidden_in, hidden_out, self._tokens(hidden_in.shape[1])):
+        if layer_idx + 1 >= local.cap or self.rules(layer_idx, hidden_in, hidden_out, self._tokens(hidden_in.shape[1])):
             local.exited = True
             local.exit_layer = layer_idx + 1
 
@@ -229,7 +268,8 @@ class _ReadsThroughToBackbone(nn.Module):
 
 
 class RiverLayer(_ReadsThroughToBackbone):
-    """A decoder layer that runs its backbone, or its exit copy once the router has exited.
+    """A decoder layer that runs its backbone, or, once the router has exited, what the strategy in
+    force says (River: its exit copy; a baseline of :mod:`.strategies`: nothing, K/V only, ...).
 
     Called exactly like the wrapped decoder layer (same arguments, same return value). Attributes
     the model's decoder loop reads from its layers (``attention_type``, ``layer_idx``, ...) are
@@ -251,8 +291,11 @@ class RiverLayer(_ReadsThroughToBackbone):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         router = self.router
+        strategy = router._local.pass_strategy
         if router.exited:
-            return self.exit_layer(hidden_states, *args, **kwargs)
+            return strategy.skipped(self, hidden_states, args, kwargs)
+        if strategy.masks_attention:
+            kwargs = strategy.before_layer(self, hidden_states, kwargs)
         out = self.backbone(hidden_states, *args, **kwargs)
         router.after_backbone(self.river_layer_idx, hidden_states, out[0] if isinstance(out, tuple) else out)
         return out

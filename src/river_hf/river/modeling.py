@@ -37,7 +37,8 @@ from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_cla
 from .cache import RiverCache
 from .config import CONFIG_DIR, RiverConfig, check_tau, default_config, warn_if_negative_tau
 from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
-from .layer import BACKBONE_ONLY, LOSSLESS, MODES, RiverHead, RiverLayer, RiverRouter
+from .layer import BACKBONE_ONLY, LOSSLESS, MODES, ROUTE, RiverHead, RiverLayer, RiverRouter
+from .strategies import STRATEGIES, cache_of, get_strategy
 from .lossless import ExitPathDrafter, FirstStop, cut_at_stop, lossless_call
 from .offload import build_exit_layer, loading_kwargs, offload_backbone
 from .serialization import check_base_weights, save_river, saved_river_config
@@ -111,6 +112,7 @@ class RiverForCausalLM:
         exit_head=_KEEP,
         prefill: str | None = None,
         lossless: bool | None = None,
+        strategy: str | None = None,
         river_config: RiverConfig | None = None,
         offload_from: int | None = None,
         offload_dir: str | None = None,
@@ -127,9 +129,10 @@ class RiverForCausalLM:
         Args:
             pretrained_model_name_or_path: a model key, a local folder or a Hub id
                 (:func:`river_hf.models.resolve`; a Hub id with ``revision=`` is passed on as is).
-            tau, min_layer, backend, exit_head, prefill, lossless, offload_from, offload_dir:
+            tau, min_layer, backend, exit_head, prefill, lossless, strategy, offload_from, offload_dir:
                 override single settings of the stored ones (see :class:`RiverConfig`);
-                ``lossless=True`` makes lossless mode the model's own.
+                ``lossless=True`` makes lossless mode the model's own; ``strategy`` picks what the
+                layers after an exit do (:data:`river_hf.river.strategies.STRATEGIES`).
             river_config: a whole :class:`RiverConfig` replacing the stored settings. Without it,
                 the settings come from the folder's config.json ``"river"``, else from
                 ``configs/<key>.json`` (:func:`default_config`).
@@ -151,7 +154,8 @@ class RiverForCausalLM:
         """
         name = str(pretrained_model_name_or_path)
         overrides = _overrides(tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
-                               lossless=lossless, offload_from=offload_from, offload_dir=offload_dir)
+                               lossless=lossless, strategy=strategy, offload_from=offload_from,
+                               offload_dir=offload_dir)
         keep_hub_id = "revision" in kwargs and not is_key(name) and not os.path.isdir(name)
         path = name if keep_hub_id else resolve(name, progress=progress)  # resolve ignores revisions
         check_base_weights(path)
@@ -180,6 +184,7 @@ class RiverForCausalLM:
         exit_head=_KEEP,
         prefill: str | None = None,
         lossless: bool | None = None,
+        strategy: str | None = None,
         river_config: RiverConfig | None = None,
         progress: bool = True,
         **kwargs,
@@ -190,7 +195,7 @@ class RiverForCausalLM:
         Args:
             config: a ``PretrainedConfig`` of a causal LM (e.g. a tiny ``LlamaConfig``); its
                 ``river`` attribute, when present, gives the River settings.
-            tau, min_layer, backend, exit_head, prefill, lossless, river_config, progress: as for
+            tau, min_layer, backend, exit_head, prefill, lossless, strategy, river_config, progress: as for
                 :meth:`from_pretrained`.
             **kwargs: passed to ``from_config`` (``dtype``, ``attn_implementation``, ...).
 
@@ -204,7 +209,7 @@ class RiverForCausalLM:
         if river_config is None:
             river_config = saved_river_config(config)
         model = enable_river(model, tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
-                             lossless=lossless, config=river_config, progress=progress)
+                             lossless=lossless, strategy=strategy, config=river_config, progress=progress)
         return _as_class(model, cls)
 
     @classmethod
@@ -263,6 +268,32 @@ class RiverForCausalLM:
         with self.river.override(mode=mode):
             yield self
 
+    def set_river_strategy(self, strategy: str) -> None:
+        """From now on, the layers after an exit do what ``strategy`` says (River's exit layers, or
+        one of the baselines of :mod:`river_hf.river.strategies`); ``river_config.strategy``
+        follows. For a block of calls in this thread only, use :meth:`river_strategy`.
+
+        Raises:
+            RiverError: an unknown strategy; a baseline while lossless mode is the model's own
+                (lossless drafting needs River's exit layers).
+        """
+        name = get_strategy(strategy).name
+        self.river_config = dataclasses.replace(self.river_config, strategy=name)  # validates
+        self.river.strategy = name
+
+    @contextlib.contextmanager
+    def river_strategy(self, strategy: str):
+        """Within the block, this thread's calls use ``strategy`` for the layers after an exit
+        (``"river"``: the exit layers; ``"recompute"``, ``"skipdecode"``, ``"state-propagation"``,
+        ``"kv-mask"``: the baselines of :mod:`river_hf.river.strategies`); the exit rule, τ and the
+        head stay the same. Other threads keep theirs.
+
+        Raises:
+            RiverError: an unknown strategy.
+        """
+        with self.river.override(strategy=get_strategy(strategy)):
+            yield self
+
     @contextlib.contextmanager
     def river_tau_override(self, tau: float | None, stacklevel: int = 1):
         """Within the block the rules in force use threshold ``tau`` (as :meth:`set_river_tau`
@@ -309,6 +340,10 @@ class RiverForCausalLM:
         if river_tau is None:
             river_tau = getattr(gen_config if gen_config is not None else self.generation_config, "river_tau", None)
         lossless = self.river.mode == LOSSLESS
+        if lossless and not self.river.strategy.runs_exit_layers:
+            raise RiverError(
+                f"lossless mode drafts with River's exit layers, but strategy {self.river.strategy.name!r} is in force; "
+                "use strategy 'river' for lossless mode, or route mode (river_mode('route')) for the baseline")
         prompt = _prompt_ids(args, kwargs)
         record: dict = {}
         local = self.river._local
@@ -336,6 +371,7 @@ class RiverForCausalLM:
         stats = self.river_summary(seconds, log=log, start=start, new_tokens=new_tokens,
                                    lossless=record if lossless else None)
         stats["mode"] = mode
+        stats["strategy"] = self.river.strategy.name
         self.river.remember(stats)
         return out
 
@@ -404,6 +440,19 @@ class RiverForCausalLM:
         one has made none); see :meth:`river_summary`."""
         return self.river.last_stats()
 
+    def river_step_bytes(self, exit_layer: int, strategy: str | None = None) -> int:
+        """Weight bytes one decode step reads when its exit layer is ``exit_layer`` (0..L; L: it
+        stayed on the backbone): backbone layers 0..exit_layer-1, then what ``strategy`` runs after
+        the exit (River: the exit layers; state propagation: the K/V projections; the other
+        baselines: nothing), then the exit head when it left the backbone, else the original head.
+        ``strategy`` None: the one in force.
+
+        Raises:
+            RiverError: an unknown strategy. IndexError: ``exit_layer`` outside 0..L.
+        """
+        name = get_strategy(strategy).name if strategy is not None else self.river.strategy.name
+        return self._river_step_bytes[name][exit_layer]
+
     def river_backbone_modules(self) -> list[nn.Module]:
         """The modules that run on the backbone path: every backbone layer's modules and the
         original LM head (what a lossless verify pass computes with)."""
@@ -419,6 +468,10 @@ class RiverForCausalLM:
         padding positions for the exit decision even when a static cache makes ``generate`` pass
         the decoder a 4-D mask."""
         self.river.expect_padding_mask(kwargs.get("attention_mask"))
+        if self.river.mode == ROUTE and args and kwargs.get("next_sequence_length") is not None:
+            feed = self.river.strategy.prepare_inputs(self, args[0], kwargs)
+            if feed is not None:
+                kwargs["next_sequence_length"] = feed
         return super().prepare_inputs_for_generation(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -511,7 +564,8 @@ class RiverForCausalLM:
             "new_tokens": new_tokens,
         }
         decode_tokens = new_tokens - batch
-        pass_bytes = sum(self._river_step_bytes[entry[2]] for entry in after)
+        step_bytes = self._river_step_bytes[self.river.strategy.name if lossless is None else "river"]
+        pass_bytes = sum(step_bytes[entry[2]] for entry in after)
         if after and decode_tokens > 0:
             stats["weight_bytes_per_token"] = pass_bytes / decode_tokens
         if seconds is not None:
@@ -585,6 +639,7 @@ def enable_river(
     exit_head=_KEEP,
     prefill: str | None = None,
     lossless: bool | None = None,
+    strategy: str | None = None,
     rules: ExitRuleList | list | None = None,
     config: RiverConfig | None = None,
     allow_untested: bool = False,
@@ -598,7 +653,8 @@ def enable_river(
         tau: threshold τ of the state transition similarity (River-LLM Sec. 3.2); None takes the
             per-model default from ``configs/``. A negative τ is legal and warns (nearly every
             step then leaves the backbone after ``min_layer`` layers).
-        min_layer, backend, exit_head, prefill, lossless: override the defaults (see :class:`RiverConfig`).
+        min_layer, backend, exit_head, prefill, lossless, strategy: override the defaults (see
+            :class:`RiverConfig`).
         rules: explicit exit rules instead of tau/min_layer: an :class:`ExitRuleList`, a list of
             rules (``[MinLayerRule(2), StateTransitionSimilarityRule(0.9)]``) or ``to_list()`` dicts.
         config: a whole :class:`RiverConfig`; the other keyword arguments override its fields.
@@ -618,14 +674,14 @@ def enable_river(
     """
     _check_supported(model, allow_untested)
     config = _settings(model, config, tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head,
-                       prefill=prefill, lossless=lossless, rules=rules)
+                       prefill=prefill, lossless=lossless, strategy=strategy, rules=rules)
     stack, layers = decoder_stack(model)
     rule_list = config.build_rules()
     _check_min_layer(rule_list, len(layers), model)
     _warn_negative_taus(rule_list, stacklevel=2)  # the caller of enable_river
     if tuner is None:
         tuner = default_tuner()
-    router = RiverRouter(rule_list, len(layers), prefill=config.prefill)
+    router = RiverRouter(rule_list, len(layers), prefill=config.prefill, strategy=config.strategy)
     if config.lossless:
         router.mode = LOSSLESS
     report: list[dict] = []
@@ -637,11 +693,15 @@ def enable_river(
         offload_backbone(layers, config.offload_from, config.offload_dir)
     hooks = _register_router_hooks(stack, router) + _register_verify_hooks(model, router)
 
-    # Weight bytes one decode step reads when its exit layer is k: backbone 0..k-1, exit k..L-1, and
-    # the exit head when the step left the backbone (k < L), else the original head.
+    # Weight bytes one decode step reads when its exit layer is k, per strategy: backbone 0..k-1;
+    # then River's exit layers k..L-1 (state propagation: their K/V projections; the other
+    # baselines: nothing); and the exit head when the step left the backbone (k < L), else the
+    # original head.
     L = len(layers)
-    step_bytes = [sum(backbone_bytes[:k]) + sum(exit_bytes[k:]) + (exit_head_bytes if k < L else head_bytes)
-                  for k in range(L + 1)]
+    after_exit = {"river": exit_bytes, "state-propagation": [_kv_weight_bytes(layer.backbone) for layer in layers]}
+    step_bytes = {name: [sum(backbone_bytes[:k]) + sum(after_exit.get(name, [0] * L)[k:])
+                         + (exit_head_bytes if k < L else head_bytes) for k in range(L + 1)]
+                  for name in STRATEGIES}
     model.__class__ = mix_in(RiverForCausalLM, type(model))
     model.river = router
     model.river_config = config
@@ -679,6 +739,12 @@ def disable_river(model: nn.Module) -> nn.Module:
     for name in _RIVER_ATTRIBUTES:
         model.__dict__.pop(name, None)
     return model
+
+
+def _kv_weight_bytes(layer: nn.Module) -> int:
+    """Weight bytes of a decoder layer's K and V projections (what state propagation reads)."""
+    attn = getattr(layer, "self_attn", None)
+    return sum(linear_weight_bytes(getattr(attn, name)) for name in ("k_proj", "v_proj") if hasattr(attn, name))
 
 
 def _prompt_ids(args: tuple, kwargs: dict):
@@ -861,11 +927,11 @@ def _register_router_hooks(stack: nn.Module, router: RiverRouter) -> list:
     def begin(module, args, kwargs):
         if torch.compiler.is_compiling():
             _refuse_compile()
-        router.begin(kwargs.get("attention_mask"), new_tokens(args, kwargs)[1])
+        router.begin(kwargs.get("attention_mask"), new_tokens(args, kwargs)[1], cache_of(kwargs))
 
     def end(module, args, kwargs, output):
         batch, tokens = new_tokens(args, kwargs)
-        router.end(batch, tokens, kwargs.get("cache", kwargs.get("past_key_values")))
+        router.end(batch, tokens, cache_of(kwargs))
 
     return [stack.register_forward_pre_hook(begin, with_kwargs=True),
             stack.register_forward_hook(end, with_kwargs=True)]
