@@ -52,6 +52,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="model key, Hub id or folder (default: %(default)s)")
     p.add_argument("--taus", action="append", metavar="TAUS",
                    help="comma list of τ (repeatable), e.g. 2,0.93,0.9; default: the model's τ")
+    p.add_argument("--strategies", default="", metavar="NAMES",
+                   help="comma list of exit-strategy baselines to time at each τ as well (recompute, skipdecode, "
+                        "state-propagation, kv-mask; see river-hf pareto for their accuracy)")
     p.add_argument("--new-tokens", type=positive_int, default=64, help="new tokens per prompt (default: %(default)s)")
     p.add_argument("--prompts", type=positive_int, default=3, help="first N HumanEval prompts (default: %(default)s)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats, alternating order (default: %(default)s)")
@@ -75,18 +78,20 @@ def _exit_label(model) -> str:
 
 
 def run_bench(model, prompt_ids, taus, *, new_tokens=64, repeats=3, progress=True, pad_token_id=None,
-              extra_models: dict | None = None) -> tuple[list[dict], float | None]:
+              extra_models: dict | None = None, strategies=()) -> tuple[list[dict], float | None]:
     """Time and compare the configurations; see the module docstring for each figure.
 
     Args:
         model: a River model. prompt_ids: list of ``[1, tokens]`` long tensors. taus: River τ values.
         extra_models: label -> another River model of the same weights, timed in ``"exit"`` mode
             (e.g. the fully 4-bit model).
+        strategies: baselines of :mod:`river_hf.river.strategies` (``"recompute"``, ...) timed at
+            each τ as well, labelled ``"<strategy> τ=<t>"`` (River's own rows stay ``"τ=<t>"``).
 
     Returns:
         ``(rows, bandwidth_limit_gb_s)``: one dict per configuration (``label``, ``mode``, ``tau``,
         ``decode_tokens_per_s`` / ``tokens_per_s`` / ``ttft_s`` / ``speedup`` as
-        ``{"median", "min", "max", "runs"}``, ``verdict``, ``ratio_to_unmodified`` (median decode
+        ``{"median", "min", "max", "runs"}``, ``verdict``, ``strategy``, ``ratio_to_unmodified`` (median decode
         speedup), ``weight_bytes_per_token`` (bytes per decode step), ``bandwidth_gb_s``,
         ``bandwidth_share`` (of the machine's measured bandwidth), ``mean_exit_layer``,
         ``exit_fraction``, ``next_token_match``, ``mean_kl``); and the machine's bandwidth (GB/s).
@@ -97,17 +102,19 @@ def run_bench(model, prompt_ids, taus, *, new_tokens=64, repeats=3, progress=Tru
     from .timing import compare, measure_generate
 
     extra_models = extra_models or {}
-    configs = [("unmodified", model, "backbone", None), (_exit_label(model), model, "exit", None)]
-    configs += [(label, m, "exit", None) for label, m in extra_models.items()]
-    configs += [(f"τ={t:g}", model, "route", t) for t in taus]
+    river = model.river_config.strategy
+    configs = [("unmodified", model, "backbone", None, river), (_exit_label(model), model, "exit", None, river)]
+    configs += [(label, m, "exit", None, m.river_config.strategy) for label, m in extra_models.items()]
+    configs += [(f"τ={t:g}", model, "route", t, river) for t in taus]
+    configs += [(f"{s} τ={t:g}", model, "route", t, s) for s in strategies if s != river for t in taus]
     exits: dict[str, list[tuple[int, float, float]]] = {label: [] for label, *_ in configs}
 
-    def runner(label, m, mode, tau):
+    def runner(label, m, mode, tau, strategy):
         def run():
             if tau is not None:
                 m.set_river_tau(tau)
             out = []
-            with m.river_mode(mode):
+            with m.river_mode(mode), m.river_strategy(strategy):
                 for ids in prompt_ids:
                     out.append(measure_generate(m, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -117,27 +124,33 @@ def run_bench(model, prompt_ids, taus, *, new_tokens=64, repeats=3, progress=Tru
             return out
         return run
 
-    comparison = compare({label: runner(label, m, mode, tau) for label, m, mode, tau in configs},
+    comparison = compare({label: runner(label, m, mode, tau, s) for label, m, mode, tau, s in configs},
                          reference="unmodified", repeats=repeats, progress=progress)
 
-    agree, _ = agreement_over_prompts(model, prompt_ids, taus, max_new_tokens=new_tokens, progress=progress,
-                                      exit_only=True)
-    agree_by = {(id(model), a["mode"], a["tau"]): a for a in agree}
+    agree, refs = agreement_over_prompts(model, prompt_ids, taus, max_new_tokens=new_tokens, progress=progress,
+                                         exit_only=True)
+    agree_by = {(id(model), a["mode"], a["tau"], river): a for a in agree}
+    for s in strategies:
+        if s != river:
+            with model.river_strategy(s):
+                for a in agreement_over_prompts(model, prompt_ids, taus, max_new_tokens=new_tokens, progress=progress,
+                                                references=refs)[0]:
+                    agree_by[(id(model), a["mode"], a["tau"], s)] = a
     for m in extra_models.values():
         for a in agreement_over_prompts(m, prompt_ids, [], max_new_tokens=new_tokens, progress=progress,
                                         exit_only=True)[0]:
-            agree_by[(id(m), a["mode"], a["tau"])] = a
+            agree_by[(id(m), a["mode"], a["tau"], m.river_config.strategy)] = a
 
     limit = comparison.bandwidth_limit_gb_s
     rows = []
-    for label, m, mode, tau in configs:
+    for label, m, mode, tau, strategy in configs:
         r = comparison.row(label)
         steps = sum(n for n, _, _ in exits[label])
-        a = agree_by.get((id(m), mode, tau))
+        a = agree_by.get((id(m), mode, tau, strategy))
         rows.append({
             **{k: r[k] for k in ("label", "decode_tokens_per_s", "tokens_per_s", "ttft_s", "speedup", "verdict",
                                  "new_tokens", "bandwidth_gb_s")},
-            "mode": mode, "tau": tau,
+            "mode": mode, "tau": tau, "strategy": strategy,
             "exit_layers": m.river_config.backend, "exit_head": m.river_config.exit_head,
             "ratio_to_unmodified": r["speedup"]["median"],
             "weight_bytes_per_token": r["weight_bytes_per_step"],
@@ -241,7 +254,10 @@ def handler(args) -> int:
     from .models import encode_prompt
     from .quant import get_backend, machine_id
 
+    from .river.strategies import get_strategy
+
     taus = parse_taus(args.taus)
+    strategies = [get_strategy(s.strip()).name for s in args.strategies.split(",") if s.strip()]
     if args.new_tokens < 2:
         raise RiverError("--new-tokens must be at least 2 (one prefill token plus decode steps to time)")
     evals = _merge_evals([_eval_scores(p) for p in args.eval_json])
@@ -282,7 +298,7 @@ def handler(args) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     river_config = model.river_config.to_dict()  # as loaded (the runs below change τ)
     rows, limit = run_bench(model, prompt_ids, taus, new_tokens=args.new_tokens, repeats=args.repeats,
-                            progress=progress, pad_token_id=pad, extra_models=extra)
+                            progress=progress, pad_token_id=pad, extra_models=extra, strategies=strategies)
     device = f"{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     report = {
         "model": args.model,

@@ -21,7 +21,9 @@ from .errors import RiverError
 COMMAND_MODULES = (
     "river_hf.river.cli",
     "river_hf.eval.cli",
+    "river_hf.eval.calibrate",
     "river_hf.bench",
+    "river_hf.pareto",
     "river_hf.stitch.cli",
     "river_hf.diffusion.cli",
 )

@@ -224,12 +224,13 @@ def run_humaneval(model, tokenizer, taus, *, limit=None, max_new_tokens=384, all
 
 
 def agreement_over_prompts(model, prompt_ids: list[torch.Tensor], taus, *, max_new_tokens=64, progress=True,
-                           exit_only=False) -> tuple[list[dict], list[tuple]]:
+                           exit_only=False, references: list[tuple] | None = None) -> tuple[list[dict], list[tuple]]:
     """Next-token match, KL and mean exit layer of River at each τ, pooled over prompts.
 
     Each prompt's unmodified greedy continuation is generated once and every τ is compared
-    against it. With ``exit_only`` one more row (``"tau": None, "mode": "exit"``) compares the
-    fully 4-bit model.
+    against it (``references``: those continuations from an earlier call, to reuse). With
+    ``exit_only`` one more row (``"tau": None, "mode": "exit"``) compares the fully 4-bit model.
+    The strategy in force (``model.river_strategy``) handles the layers after each exit.
 
     Returns:
         ``(rows, references)``: one dict per τ with ``match_rate`` (matches / positions),
@@ -238,8 +239,8 @@ def agreement_over_prompts(model, prompt_ids: list[torch.Tensor], taus, *, max_n
     """
     from tqdm.auto import tqdm
 
-    refs = [reference_continuation(model, ids, max_new_tokens) for ids in
-            tqdm(prompt_ids, desc="reference (unmodified model)", disable=not progress, unit="prompt")]
+    refs = references or [reference_continuation(model, ids, max_new_tokens) for ids in
+                          tqdm(prompt_ids, desc="reference (unmodified model)", disable=not progress, unit="prompt")]
     configs = [("route", t) for t in taus] + ([("exit", None)] if exit_only else [])
     rows = []
     for mode, tau in configs:
