@@ -193,6 +193,8 @@ def plot_bench(report: dict, png: str | Path, evals: list[tuple[str, dict]] = ()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .eval.common import save_figure
+
     rows = report["rows"]
     panels = 2 + len(evals)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2), squeeze=False)
@@ -236,13 +238,7 @@ def plot_bench(report: dict, png: str | Path, evals: list[tuple[str, dict]] = ()
                  f"{report['repeats']} alternating repeats ({report['device']}"
                  + (f", memory bandwidth {limit:.1f} GB/s" if limit else "") + ")", fontsize=9)
     fig.tight_layout()
-    png = Path(png)
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    import os
-
-    os.replace(tmp, png)
+    save_figure(fig, png)
 
 
 def handler(args) -> int:

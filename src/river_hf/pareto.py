@@ -52,7 +52,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="model key, Hub id or folder (default: %(default)s)")
     p.add_argument("--taus", action="append", metavar="TAUS", help="comma list of τ (repeatable); default 0.98,0.95,0.9")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
-                   help=f"comma list of exit strategies (default: all: %(default)s)")
+                   help="comma list of exit strategies (default: all: %(default)s)")
     p.add_argument("--humaneval", type=int, default=10, metavar="N", help="first N HumanEval problems (default: %(default)s; 0: skip)")
     p.add_argument("--gsm8k", type=int, default=10, metavar="N", help="first N GSM8K test questions (default: %(default)s; 0: skip)")
     p.add_argument("--data", default=None, help="GSM8K test file (JSON lines); default: ../shared/data/gsm8k/test.jsonl or the Hub")
@@ -173,6 +173,8 @@ def plot_pareto(report: dict, png: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .eval.common import save_figure
+
     points = report["points"]
     panels = [(k, label) for k, label in (("humaneval", "HumanEval pass@1 (%)"), ("gsm8k", "GSM8K exact match (%)"),
                                           ("accuracy", "mean of the two (%)"),
@@ -211,13 +213,7 @@ def plot_pareto(report: dict, png: str | Path) -> None:
                  f"≤ {report['max_new_tokens']} tokens; speed: {report['prompts']} prompts x {report['new_tokens']} tokens, "
                  f"{report['repeats']} alternating repeats ({report['device']}); labels: τ", fontsize=8)
     fig.tight_layout()
-    png = Path(png)
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    import os
-
-    os.replace(tmp, png)
+    save_figure(fig, png)
 
 
 def format_table(report: dict) -> str:

@@ -199,6 +199,20 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
         raise
 
 
+def save_figure(fig, png: str | os.PathLike, dpi: int = 120) -> None:
+    """Save a matplotlib figure to ``png`` through a temporary file renamed into place, and close it."""
+    import matplotlib.pyplot as plt
+
+    png = Path(png)
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, png)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+
+
 def write_json(path: str | os.PathLike, obj) -> None:
     """Write ``obj`` as indented JSON to ``path`` with :func:`atomic_write`."""
     atomic_write(path, json.dumps(obj, indent=2) + "\n")
