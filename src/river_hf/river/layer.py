@@ -53,6 +53,7 @@ class _ThreadState(threading.local):
         self.rules: ExitRuleList | None = None  # override of the router's rules (per-call τ), None: its own
         self.strategy: ExitStrategy | None = None  # override of the router's strategy, None: its own
         self.decode_pass = False  # the next pass is a decode step even with several tokens (Recompute)
+        self.full_depth = False  # the next pass runs every layer (Recompute's re-fed pass)
         self.log: list | None = None  # the recording call's pass log, None: nothing records
         self.next_mask = None
         self.lossless_record = None  # the statistics dict of the lossless generate call in flight
@@ -188,11 +189,13 @@ class RiverRouter:
         is_2d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
         self._local.next_mask = attention_mask if is_2d else None
 
-    def expect_decode_pass(self) -> None:
+    def expect_decode_pass(self, full_depth: bool = False) -> None:
         """This thread's next forward pass is a decode step even if it has several tokens (the
         :class:`~river_hf.river.strategies.Recompute` strategy re-feeds exited tokens with the new
-        one), so ``prefill="backbone"`` does not keep it on the backbone."""
+        one), so ``prefill="backbone"`` does not keep it on the backbone; ``full_depth``: the pass
+        runs every layer (no exit)."""
         self._local.decode_pass = True
+        self._local.full_depth = full_depth
 
     def begin(self, attention_mask, tokens: int = 1, cache=None) -> None:
         """Start a forward pass of ``tokens`` new tokens per row (in this thread).
@@ -213,8 +216,8 @@ class RiverRouter:
         strategy = self.strategy if mode == ROUTE else None
         local.reset_pass(mode, self.num_layers, strategy)
         prefill = tokens > 1 and not local.decode_pass
-        local.decode_pass = False
-        local.stay = local.stay or (prefill and self.prefill == BACKBONE_ONLY)
+        local.stay = local.stay or local.full_depth or (prefill and self.prefill == BACKBONE_ONLY)
+        local.decode_pass = local.full_depth = False
         if strategy is not None and not strategy.runs_exit_layers:
             strategy.check_cache(cache)
             local.cap = strategy.exit_cap(cache, self.num_layers)

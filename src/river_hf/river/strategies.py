@@ -116,14 +116,13 @@ class ExitLayers(ExitStrategy):
 
 
 class Recompute(ExitStrategy):
-    """Batching recompute (EE-LLM, Chen et al. 2023, Sec. 4.2): skipped layers do nothing, so the
-    layers after a token's exit lack its K/V. Before the next decode step, every layer's cache slot
-    is cut back to the last position that *every* layer has (the last token that went through all
-    layers), and the step feeds the tokens after it together with the new token, from layer 0: the
-    skipped layers fill their K/V when a later pass goes deeper. If that pass exits again, its
-    tokens wait for the next one. The exit decision of such a pass takes the minimum similarity
-    over all its tokens (the same batch minimum as River), and it may exit even when it has
-    several tokens (it is a decode step, not a prefill).
+    """Batching recompute (EE-LLM, Chen et al. 2023, Sec. 4.2 "KV recomputation"): skipped layers do
+    nothing, so the layers after a token's exit lack its K/V. Before the next decode step, every
+    layer's cache slot is cut back to the last position that *every* layer has, and that step
+    feeds the exited token(s) again together with the new token, from layer 0, through every layer
+    (it does not exit: the deep layers must run for the exited tokens anyway, and on one device
+    their weights are read once for all rows of the pass, so the new token reads out at full depth
+    too). Exits therefore happen at most every other step, and the pending tokens never pile up.
 
     Sliding-window cache layers keep their past states (``activate_past_recording``) so that they
     can be cut back; the cut restricts them to their window again."""
@@ -162,7 +161,7 @@ class Recompute(ExitStrategy):
             return None
         if hasattr(cache, "trim_records"):
             cache.trim_records(max(lengths) - complete)
-        model.river.expect_decode_pass()
+        model.river.expect_decode_pass(full_depth=True)
         return input_ids.shape[1] - complete
 
 
