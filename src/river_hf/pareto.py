@@ -218,14 +218,15 @@ def plot_pareto(report: dict, png: str | Path) -> None:
 
 def format_table(report: dict) -> str:
     """The points as a Markdown table."""
-    lines = ["| point | decode tok/s (min-max) | × unmodified | % bandwidth | mean exit layer | HumanEval | GSM8K | "
+    lines = ["| point | decode tok/s (min-max) | × unmodified (min-max) | % bandwidth | mean exit layer | HumanEval | GSM8K | "
              "next-token match | Pareto |", "|---|---|---|---|---|---|---|---|---|"]
     for p in report["points"]:
         d, sp = p["decode_tokens_per_s"], p["speedup"]
         share = f"{100 * p['bandwidth_share']:.0f}%" if p.get("bandwidth_share") else ""
         pct = lambda v: "" if v is None else f"{100 * v:.0f}%"  # noqa: E731
         exit_ = "" if p["mean_exit_layer"] is None else f"{p['mean_exit_layer']:.1f}"
-        lines.append(f"| {p['name']} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {sp['median']:.2f} | {share} | "
+        lines.append(f"| {p['name']} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {sp['median']:.2f} "
+                     f"({sp['min']:.2f}-{sp['max']:.2f}){' not resolved' if p['verdict'] == 'not resolved' else ''} | {share} | "
                      f"{exit_} | {pct(p.get('humaneval'))} | {pct(p.get('gsm8k'))} | {p['next_token_match']:.3f} | "
                      f"{'yes' if p['pareto'] else ''} |")
     return "\n".join(lines)

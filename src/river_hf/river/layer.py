@@ -294,8 +294,9 @@ class RiverLayer(_ReadsThroughToBackbone):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         router = self.router
-        strategy = router._local.pass_strategy
-        if router.exited:
+        local = router._local  # one thread-local lookup per layer
+        strategy = local.pass_strategy
+        if local.exited:
             return strategy.skipped(self, hidden_states, args, kwargs)
         if strategy.masks_attention:
             kwargs = strategy.before_layer(self, hidden_states, kwargs)
