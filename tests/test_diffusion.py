@@ -233,6 +233,51 @@ def test_padding_mask_matters(models):
     assert not torch.equal(with_mask[2], without[2])
 
 
+def _reference_generate(model, ids, mask, steps, gen_length, block_length, shift=False):
+    """LLaDA's greedy low-confidence loop written plainly: logits for every position of the sequence,
+    the block's masked positions compete, committed tokens are never touched."""
+    mask_id = model.config.mask_token_id
+    b, p = ids.shape
+    x = torch.full((b, p + gen_length), mask_id, dtype=torch.long)
+    x[:, :p] = ids
+    full = None if mask is None else torch.cat([mask, torch.ones(b, gen_length, dtype=torch.long)], 1)
+    per_block = steps // (gen_length // block_length)
+    with torch.inference_mode():
+        for lo in range(p, p + gen_length, block_length):
+            n = num_transfer_tokens(x[:, lo : lo + block_length] == mask_id, per_block)
+            for i in range(per_block):
+                logits = model(input_ids=x, attention_mask=full).logits
+                if shift:
+                    logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)
+                logits[..., mask_id] = float("-inf")
+                x0 = logits.argmax(-1)
+                conf = torch.softmax(logits.double(), -1).gather(-1, x0[..., None])[..., 0]
+                conf[:, : lo] = conf[:, lo + block_length :] = float("-inf")
+                conf[x != mask_id] = float("-inf")
+                for row in range(b):
+                    idx = torch.topk(conf[row], int(n[row, i])).indices
+                    x[row, idx] = x0[row, idx]
+    return x
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_at_masked_positions_only_match_the_plain_loop(models, layout):
+    """generate computes the LM head only at the block's still-masked positions: the same tokens as the
+    plain loop over logits for every position (batched with padding; Dream's shift too)."""
+    ids, mask = _prompts(True)
+    model = models[layout]
+    assert torch.equal(_gen(model, ids, mask), _reference_generate(model, ids, mask, **KW))
+    rows = []  # LM head rows per step, one prompt: the block's masked count (8, 7, ..., 1: one commit per step)
+    hook = model.get_output_embeddings().register_forward_hook(lambda mod, args, out: rows.append(out.shape[1]))
+    try:
+        _gen(model, ids[:1], None)
+    finally:
+        hook.remove()
+    assert rows == list(range(KW["block_length"], 0, -1)) * (KW["gen_length"] // KW["block_length"])
+    dream = build_test_model("llama", "tiny", seed=2, dream=True)
+    assert torch.equal(_gen(dream, ids, mask), _reference_generate(dream, ids, mask, **KW, shift=True))
+
+
 def test_dream_shift_and_sampling_exactness():
     """Dream mode (logits shifted by one), temperature and random remasking: Kp = Kr = 1 stays exact."""
     model = build_test_model("llama", "tiny", seed=2, dream=True)

@@ -257,6 +257,13 @@ class LLaDALayoutForMaskedLM(LLaDALayoutPreTrainedModel):
         )
         self.post_init()
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.transformer["wte"]
+
+    def get_output_embeddings(self) -> nn.Linear:
+        """The LM head (LLaDA's ``transformer.ff_out``)."""
+        return self.model.transformer["ff_out"]
+
     def forward(self, input_ids=None, attention_mask=None, logits_to_keep=None, **kwargs) -> MaskedLMOutput:
         """``input_ids`` ``[B, T]`` int64; ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding);
         returns ``MaskedLMOutput(logits=[B, T', vocab])`` (``T'`` as in ``logits_to_keep``)."""
