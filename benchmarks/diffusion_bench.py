@@ -101,10 +101,16 @@ def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args) 
             "agreement": agreement,
             "same_tokens_every_round": all(torch.equal(r["tokens"], rounds[0]["tokens"]) for r in rounds),
         }
+        kinds = rounds[0]["step_seconds"]
+        row["step_seconds_median"] = {k: statistics.median(r["step_seconds"][k] for r in rounds) for k in kinds}
         if name != "uncached":
             row["refresh_counts"] = rounds[0]["refresh_counts"]
+            row["small_batch_linear_used"] = rounds[0]["small_batch_linear_used"]
+            if "small_batch_linear_timing" in rounds[0]:
+                row["small_batch_linear_timing"] = rounds[0]["small_batch_linear_timing"]
             row["faster_than_uncached"] = verdict(*speedup_range, 1.0)
             row["meets_target"] = verdict(*speedup_range, args.target)
+            row["meets_flops_share"] = verdict(*speedup_range, args.flops_share * flops_ratio)
         rows.append(row)
     return rows
 
@@ -125,7 +131,7 @@ def report_line(r: dict, target: float) -> str:
 
     return (f"{line}, speedup {r['speedup']:.2f}x [{lo:.2f}-{hi:.2f}], layer-FLOPs ratio {r['flops_ratio']:.2f}x, "
             f"overhead share {r['overhead_share']:.2f}; faster than uncached: {word(r['faster_than_uncached'])}; "
-            f">= {target:g}x: {word(r['meets_target'])}")
+            f">= {target:g}x: {word(r['meets_target'])}; >= share of FLOPs ratio: {word(r['meets_flops_share'])}")
 
 
 def write_results(args, model, rows, info) -> None:
@@ -142,7 +148,7 @@ def write_results(args, model, rows, info) -> None:
         "setup": {"prompt_length": args.prompt_length, "gen_length": args.gen_length, "steps": args.steps,
                   "block_length": args.block_length, "blocks_timed": args.blocks or args.gen_length // args.block_length,
                   "batch": 1, "temperature": 0.0, "remasking": "low_confidence", "threads": args.threads,
-                  "small_batch_linear": args.small_batch_linear, "target": args.target,
+                  "small_batch_linear": args.small_batch_linear, "target": args.target, "flops_share": args.flops_share,
                   "order": "warm-up of every setting, then rounds alternating forward / reversed order",
                   "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
                   "cpu_count": os.cpu_count(), "load_avg_at_end": os.getloadavg()},  # fmt: skip
@@ -200,15 +206,15 @@ def write_results(args, model, rows, info) -> None:
         "",
         f"Prompt {args.prompt_length} tokens, gen_length {args.gen_length}, steps {args.steps}, block {args.block_length},"
         f" batch 1, greedy, low-confidence remasking, {args.dtype}, torch threads {args.threads}"
-        f"{', SmallBatchLinear on' if args.small_batch_linear else ''}. Warm-up of every setting, then {rounds}"
+        f", SmallBatchLinear {args.small_batch_linear}. Warm-up of every setting, then {rounds}"
         " rounds of all settings in alternating order (forward, reversed, ...).",
         f"Shared {os.cpu_count()}-core machine (load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}).",
         "Speedup range: min uncached / max cached .. max uncached / min cached; \"not resolved\" = the range"
         " straddles the threshold. Overhead share = 1 - wall speedup / layer-FLOPs ratio.",
         "",
         "| run | wall s median [min-max] | speedup [range] | CPU s median | layer-FLOPs ratio | overhead share |"
-        f" agreement | faster than uncached | >= {args.target:g}x |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f" agreement | faster than uncached | >= {args.target:g}x | >= {args.flops_share:g} x FLOPs ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s = r["seconds"]
@@ -218,8 +224,29 @@ def write_results(args, model, rows, info) -> None:
         lines.append(
             f"| {r['name']} | {s['median']:.4g} [{s['min']:.4g}-{s['max']:.4g}] | {speedup} | "
             f"{r['cpu_seconds']['median']:.4g} | {r['flops_ratio']:.2f}x | {overhead} | {r['agreement']:.3f} | "
-            f"{r.get('faster_than_uncached', '-')} | {r.get('meets_target', '-')} |"
+            f"{r.get('faster_than_uncached', '-')} | {r.get('meets_target', '-')} | {r.get('meets_flops_share', '-')} |"
         )
+    kinds = ["full", "prompt", "response", "verify"]
+    lines += [
+        "",
+        "Where the time goes: median wall seconds per step kind (forward + commit; count in parentheses;"
+        " full = uncached forward or full refresh, prompt = prompt refresh + V-verify, response = response"
+        " refresh, verify = V-verify only), and the SmallBatchLinear decision for the partial steps.",
+        "",
+        "| run | " + " | ".join(kinds) + " | SmallBatchLinear |",
+        "|---|" + "---|" * (len(kinds) + 1),
+    ]
+    for r in rows:
+        counts = r.get("refresh_counts") or {"full": r["steps"]}
+        cells = []
+        for k in kinds:
+            sec = r["step_seconds_median"].get(k)
+            cells.append("-" if sec is None else f"{sec:.3g} s ({counts.get(k, 0)} steps, {sec / counts[k]:.3g} s each)")
+        t = r.get("small_batch_linear_timing")
+        kernel = "-" if r["name"] == "uncached" else ("used" if r.get("small_batch_linear_used") else "not used") + (
+            f" (measured {t['rows']} rows of {t['shape'][0]}->{t['shape'][1]}: torch {t['us_per_call']['torch']:.0f} µs,"
+            f" (W @ x.T).T {t['us_per_call']['small-batch']:.0f} µs)" if t else "")
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | {kernel} |")
     lines += ["", f"![plot]({os.path.basename(args.out)}.png)", ""]
     atomic_write(args.out + ".md", "\n".join(lines))
 
@@ -236,8 +263,11 @@ def main(argv=None) -> int:
                     help="time only the first N blocks of the schedule (same schedule, fewer steps run)")
     ap.add_argument("--settings", default=DEFAULT_SETTINGS, help=f"'Kp,Kr,rho;...' (default {DEFAULT_SETTINGS})")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds, alternating order (>= 3, default 3)")
-    ap.add_argument("--target", type=float, default=3.0, help="wall speedup to check against (default 3)")
-    ap.add_argument("--small-batch-linear", action="store_true", help="cached settings use SmallBatchLinear")
+    ap.add_argument("--target", type=float, default=4.0, help="wall speedup to check against (default 4)")
+    ap.add_argument("--flops-share", type=float, default=0.85,
+                    help="also check wall speedup >= this share of the layer-FLOPs ratio (default 0.85)")
+    ap.add_argument("--small-batch-linear", default="auto", choices=["auto", "on", "off"],
+                    help="cached settings' partial steps under SmallBatchLinear: auto (default, measured), on, off")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (same for every run)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
@@ -265,7 +295,7 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, min(mask_id, model.config.vocab_size) - 1, (1, args.prompt_length), generator=g)
     kw = dict(steps=args.steps, gen_length=args.gen_length, block_length=args.block_length, return_stats=True,
               progress=True)  # fmt: skip
-    caches = {setting_name(s): None if s is None else DLLMCacheConfig(*s, small_batch_linear=args.small_batch_linear)
+    caches = {setting_name(s): None if s is None else DLLMCacheConfig(*s, small_batch_linear={"auto": "auto", "on": True, "off": False}[args.small_batch_linear])
               for s in [None, *settings]}  # fmt: skip
     print(f"model: {args.layout} {args.size}, {info['params'] / 1e9:.3f}e9 params, built in {info['build_seconds']:.0f} s",
           flush=True)  # fmt: skip

@@ -170,6 +170,61 @@ def test_small_batch_linear_option(models, layout):
         DLLMCacheConfig(small_batch_linear="yes")
 
 
+def test_small_batch_linear_auto_decides_by_measurement(models, monkeypatch):
+    """"auto": the faster orientation of the measurement at the V-verify row count is used, measured once
+    per shape; off (nothing measured) for non-fp32 weights, row counts the mode never reroutes, or
+    RIVER_HF_AUTOTUNE=0."""
+    from river_hf.diffusion import cache as cache_mod
+    from river_hf.kernels import SmallBatchLinear
+
+    model = models["llada"]
+    layers = list(model.model.transformer["blocks"])
+    auto = DLLMCacheConfig(small_batch_linear="auto")
+    calls = []
+
+    def fake(winner):
+        def measure(i, o, rows, **kw):
+            calls.append((i, o, rows))
+            return {"torch": 2.0, "small-batch": 1.0} if winner == "small-batch" else {"torch": 1.0, "small-batch": 2.0}
+        return measure
+
+    monkeypatch.setenv("RIVER_HF_AUTOTUNE", "1")
+    monkeypatch.setattr(cache_mod, "_MEASURED", {})
+    monkeypatch.setattr(SmallBatchLinear, "measure", staticmethod(fake("small-batch")))
+    used, timing = cache_mod.choose_partial_kernel(layers, auto, 4)
+    biggest = max((m for m in layers[0].modules() if isinstance(m, torch.nn.Linear)), key=lambda m: m.weight.numel())
+    assert used and timing["rows"] == 4 and timing["shape"] == [biggest.in_features, biggest.out_features]
+    assert cache_mod.choose_partial_kernel(layers, auto, 4)[0] and len(calls) == 1  # remembered
+    monkeypatch.setattr(cache_mod, "_MEASURED", {})
+    monkeypatch.setattr(SmallBatchLinear, "measure", staticmethod(fake("torch")))
+    used, timing = cache_mod.choose_partial_kernel(layers, auto, 4)
+    assert not used and timing["us_per_call"] == {"torch": 1.0, "small-batch": 2.0}
+    n = len(calls)
+    for rows in (None, 1, 65):
+        assert cache_mod.choose_partial_kernel(layers, auto, rows) == (False, None)
+    assert cache_mod.choose_partial_kernel(layers, DLLMCacheConfig(small_batch_linear=True), None) == (True, None)
+    monkeypatch.setenv("RIVER_HF_AUTOTUNE", "0")
+    assert cache_mod.choose_partial_kernel(layers, auto, 8) == (False, None)
+    assert len(calls) == n
+    # in generate: the row count is batch * floor(G * rho), and the stats say what was decided
+    monkeypatch.setenv("RIVER_HF_AUTOTUNE", "1")
+    monkeypatch.setattr(SmallBatchLinear, "measure", staticmethod(fake("small-batch")))
+    ids, mask = _prompts(True)
+    out = _gen_out(model, ids, mask, DLLMCacheConfig(4, 2, 0.25))
+    assert calls[-1][2] == 3 * int(KW["gen_length"] * 0.25)
+    assert out.stats["small_batch_linear_used"] and out.stats["small_batch_linear_calls"] > 0
+    assert out.stats["small_batch_linear_timing"]["us_per_call"] == {"torch": 2.0, "small-batch": 1.0}
+
+
+def test_step_seconds_by_kind(models):
+    out = _gen_out(models["llada"], *_prompts(False), DLLMCacheConfig(4, 2, 0.25))
+    counts = out.stats["refresh_counts"]
+    assert set(out.stats["step_seconds"]) == {k for k, n in counts.items() if n}
+    assert all(v > 0 for v in out.stats["step_seconds"].values())
+    assert sum(out.stats["step_seconds"].values()) <= out.stats["seconds"]
+    assert set(_gen_out(models["llada"], *_prompts(False)).stats["step_seconds"]) == {"full"}
+
+
 def test_v_verify_selection_unit():
     """The rho fraction with the lowest cosine similarity between fresh and cached V is selected."""
     torch.manual_seed(0)

@@ -23,10 +23,16 @@ def test_diffuse_json_compare(capsys):
 
 
 def test_diffuse_small_batch_linear_flag(capsys):
-    argv = ["diffuse", "--model", "tiny-llada", *SMALL, "--kp", "4", "--kr", "2", "--small-batch-linear", "--json"]
-    assert main(argv) == 0
+    argv = ["diffuse", "--model", "tiny-llada", *SMALL, "--kp", "4", "--kr", "2", "--json", "--small-batch-linear"]
+    assert main([*argv, "on"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["cache"]["small_batch_linear"] is True and stats["small_batch_linear_calls"] > 0
+    assert main([*argv, "off"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["small_batch_linear_used"] is False and "small_batch_linear_calls" not in stats
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "yes"])
+    assert err.value.code == 2
 
 
 def test_diffuse_text_output_and_folder(tmp_path, capsys):

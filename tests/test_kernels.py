@@ -122,3 +122,10 @@ def test_mixed_dtype_bias_is_left_to_f_linear_and_grad_flows():
         grad = torch.autograd.grad(F.linear(x, w1).pow(2).sum(), w1)[0]
     assert mode.calls_rerouted == 1
     torch.testing.assert_close(grad, ref_grad)
+
+
+def test_small_batch_linear_measure_times_both_orientations():
+    from river_hf.kernels import SmallBatchLinear
+
+    timing = SmallBatchLinear.measure(64, 96, 8, stream_bytes=1 << 20, rounds=2)
+    assert set(timing) == {"torch", "small-batch"} and all(v > 0 for v in timing.values())

@@ -76,6 +76,51 @@ class SmallBatchLinear(TorchFunctionMode):
                 return out.reshape(*x.shape[:-1], weight.shape[0])
         return func(*args, **kwargs)
 
+    @staticmethod
+    def measure(in_features: int, out_features: int, rows: int, *, stream_bytes: int | None = None,
+                rounds: int = 5) -> dict[str, float]:
+        """Median µs per call of ``F.linear`` and of this mode's ``(W @ x.T).T`` on ``rows`` fp32 rows
+        of a ``[out_features, in_features]`` weight, weights streamed from memory (copies totalling
+        ``stream_bytes``, default twice the last-level cache), the two alternating from round to round.
+
+        Returns:
+            ``{"torch": µs, "small-batch": µs}``.
+        """
+        weights = _streamed_weights(in_features, out_features, stream_bytes)
+        x = torch.randn(rows, in_features)
+        return _alternating_medians({
+            "torch": lambda: [F.linear(x, w) for w in weights],
+            "small-batch": lambda: [torch.mm(w, x.t()).t().contiguous() for w in weights],
+        }, rounds, len(weights))  # fmt: skip
+
+
+def _streamed_weights(in_features: int, out_features: int, stream_bytes: int | None, max_copies: int = 64):
+    """Separate random fp32 weights ``[out, in]`` totalling ``stream_bytes`` (default twice the
+    last-level cache; 2..``max_copies`` copies), so that one pass over them reads from memory, as a
+    forward pass over a model too big for the cache does."""
+    from .quant.autotune import last_level_cache_bytes
+
+    size = in_features * out_features * 4
+    copies = min(max_copies, max(2, -(-(stream_bytes or 2 * last_level_cache_bytes()) // size)))
+    return [torch.randn(out_features, in_features) for _ in range(copies)]
+
+
+def _alternating_medians(runs: dict, rounds: int, calls: int) -> dict[str, float]:
+    """Median µs per call of each ``runs[name]()`` (which makes ``calls`` calls), after one warm-up
+    round, the order alternating from round to round."""
+    import statistics
+    import time
+
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            for name in (list(runs) if r % 2 else list(runs)[::-1]):
+                start = time.perf_counter()
+                runs[name]()
+                if r:  # round 0 warms up
+                    times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
 
 def onednn_available() -> bool:
     """Whether this torch build has oneDNN's prepacked fp32 linear (``torch.ops.mkldnn``)."""
@@ -166,28 +211,12 @@ class PrepackedLinear(TorchFunctionMode):
         Raises:
             RuntimeError: no oneDNN in this torch.
         """
-        import statistics
-        import time
-
-        from .quant.autotune import last_level_cache_bytes
-
         if not onednn_available():
             raise RuntimeError("this torch build has no oneDNN (torch.ops.mkldnn)")
-        size = in_features * out_features * 4
-        copies = max(2, -(-(stream_bytes or 2 * last_level_cache_bytes()) // size))
-        weights = [torch.randn(out_features, in_features) for _ in range(copies)]
+        weights = _streamed_weights(in_features, out_features, stream_bytes)
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
         x = torch.randn(rows, in_features)
-        runs = {
+        return _alternating_medians({
             "torch": lambda: [F.linear(x, w) for w in weights],
             "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
-        }
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        with torch.no_grad():
-            for r in range(rounds + 1):
-                for name in (list(runs) if r % 2 else list(runs)[::-1]):
-                    start = time.perf_counter()
-                    runs[name]()
-                    if r:  # round 0 warms up
-                        times[name].append((time.perf_counter() - start) / copies * 1e6)
-        return {k: statistics.median(v) for k, v in times.items()}
+        }, rounds, len(weights))  # fmt: skip

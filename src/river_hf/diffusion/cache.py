@@ -40,7 +40,8 @@ from ..errors import RiverError
 from ..kernels import SmallBatchLinear
 from .adapters import LayerAdapter, find_decoder_layers
 
-__all__ = ["DLLMCacheConfig", "FeatureCache", "CachedLayer", "select_response_tokens", "attach_cache"]
+__all__ = ["DLLMCacheConfig", "FeatureCache", "CachedLayer", "select_response_tokens", "attach_cache",
+           "choose_partial_kernel", "verify_rows"]
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,12 @@ class DLLMCacheConfig:
         ratio: rho, V-verify ratio: fraction of response tokens recomputed on other steps (0..1).
         small_batch_linear: run the decomposed (non-full-refresh) steps under
             :class:`river_hf.kernels.SmallBatchLinear`, which computes fp32 CPU Linear calls of 2..64
-            rows (V-verify's rho * G selected tokens) in the faster ``(W @ x.T).T`` orientation. Full
-            refresh steps never use it, so ``Kp = Kr = 1`` stays exact; elsewhere results change by fp32
-            summation order only. Off by default (see docs/diffusion.md for the measurement).
+            rows (V-verify's rho * G selected tokens) in the ``(W @ x.T).T`` orientation. ``True`` /
+            ``False`` force it on / off; ``"auto"`` (default) measures both orientations on this
+            machine, on the block's largest Linear shape at the V-verify row count
+            (:func:`choose_partial_kernel`), once per process and shape, and uses the faster. Full
+            refresh steps never use it, so ``Kp = Kr = 1`` stays exact; elsewhere results change by
+            fp32 summation order only.
 
     Raises:
         RiverError: an interval < 1 or a ratio outside [0, 1].
@@ -64,7 +68,7 @@ class DLLMCacheConfig:
     prompt_interval: int = 50
     response_interval: int = 7
     ratio: float = 0.25
-    small_batch_linear: bool = False
+    small_batch_linear: bool | str = "auto"
 
     def __post_init__(self):
         if int(self.prompt_interval) != self.prompt_interval or self.prompt_interval < 1:
@@ -73,8 +77,8 @@ class DLLMCacheConfig:
             raise RiverError(f"response_interval (Kr) must be an integer >= 1, got {self.response_interval}")
         if not 0.0 <= float(self.ratio) <= 1.0:
             raise RiverError(f"ratio (rho) must be in [0, 1], got {self.ratio}")
-        if not isinstance(self.small_batch_linear, bool):
-            raise RiverError(f"small_batch_linear must be True or False, got {self.small_batch_linear!r}")
+        if not isinstance(self.small_batch_linear, bool) and self.small_batch_linear != "auto":
+            raise RiverError(f"small_batch_linear must be True, False or 'auto', got {self.small_batch_linear!r}")
 
 
 def select_response_tokens(v_fresh: torch.Tensor, v_cached: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -135,12 +139,17 @@ class FeatureCache:
             :meth:`next_step`, then 0, 1, ...
         refresh_prompt, refresh_response: whether the step in flight refreshes prompt / response
             features (set by :meth:`next_step`).
+        kind: the step in flight: ``"full"``, ``"prompt"`` (prompt refresh + V-verify), ``"response"``
+            (response refresh) or ``"verify"`` (V-verify only); None before the first step.
         layers: per-layer :class:`LayerFeatures` (filled by the first full refresh).
         layer_flops: layer FLOPs actually spent (all sequences), counted per call.
         layer_flops_full: layer FLOPs an uncached forward would have spent on the same calls.
         selected: number of response tokens recomputed by V-verify, summed over layers and rows.
         linear_mode: the :class:`~river_hf.kernels.SmallBatchLinear` mode entered around decomposed
-            steps (``config.small_batch_linear``), else None; its ``calls_rerouted`` counts the calls.
+            steps (``config.small_batch_linear``, resolved by :func:`attach_cache`), else None; its
+            ``calls_rerouted`` counts the calls.
+        linear_timing: with ``small_batch_linear="auto"``, the measurement that decided
+            (:func:`choose_partial_kernel`), else None.
     """
 
     config: DLLMCacheConfig
@@ -149,26 +158,24 @@ class FeatureCache:
     step: int = -1
     refresh_prompt: bool = False
     refresh_response: bool = False
+    kind: str | None = None
     layers: dict[int, LayerFeatures] = field(default_factory=dict)
     layer_flops: int = 0
     layer_flops_full: int = 0
     selected: int = 0
     refresh_counts: dict[str, int] = field(default_factory=lambda: {"full": 0, "prompt": 0, "response": 0, "verify": 0})
     linear_mode: SmallBatchLinear | None = None
-
-    def __post_init__(self):
-        if self.config.small_batch_linear and self.linear_mode is None:
-            self.linear_mode = SmallBatchLinear()
+    linear_timing: dict | None = None
 
     def next_step(self) -> None:
         """Advance the step counter; call once before each model forward (the first call starts step 0)."""
         self.step += 1
         self.refresh_prompt = self.step % self.config.prompt_interval == 0
         self.refresh_response = self.step % self.config.response_interval == 0
-        kind = "full" if self.refresh_prompt and self.refresh_response else "prompt" if self.refresh_prompt else (
+        self.kind = "full" if self.refresh_prompt and self.refresh_response else "prompt" if self.refresh_prompt else (
             "response" if self.refresh_response else "verify"
         )
-        self.refresh_counts[kind] += 1
+        self.refresh_counts[self.kind] += 1
 
     def require_step(self) -> None:
         """Raise unless :meth:`next_step` has started a step.
@@ -402,8 +409,48 @@ def _write_rows(buf: torch.Tensor, parts, values: torch.Tensor) -> None:
         start += n
 
 
+_MEASURED: dict[tuple, dict] = {}  # choose_partial_kernel's timings, per machine, shape and row count
+
+
+def verify_rows(batch: int, response_length: int, ratio: float) -> int:
+    """Rows of each Linear call of a V-verify step's recomputed part: ``batch * k`` with ``k`` as in
+    :func:`select_response_tokens`."""
+    return batch * (min(response_length, max(1, int(response_length * ratio))) if ratio > 0 else 0)
+
+
+def choose_partial_kernel(layers, config: DLLMCacheConfig, rows: int | None) -> tuple[bool, dict | None]:
+    """Whether the decomposed steps run under :class:`~river_hf.kernels.SmallBatchLinear`, and the
+    timing that decided (None when nothing was measured).
+
+    ``config.small_batch_linear`` True/False decides alone. ``"auto"``: off unless the block's Linear
+    weights are float32 on the CPU, ``rows`` (the V-verify row count, :func:`verify_rows`) is one the
+    mode reroutes (2..64) and ``RIVER_HF_AUTOTUNE`` is not ``0``; then both orientations are timed on
+    the largest Linear shape of the first layer at ``rows`` rows with weights streamed from memory
+    (:meth:`SmallBatchLinear.measure`), once per process, machine and shape, and the faster wins.
+    """
+    import os
+
+    choice = config.small_batch_linear
+    if isinstance(choice, bool):
+        return choice, None
+    linears = [m for m in layers[0].modules() if isinstance(m, nn.Linear)]
+    if (not linears or rows is None or not 2 <= rows <= SmallBatchLinear().max_rows
+            or os.environ.get("RIVER_HF_AUTOTUNE", "1") == "0"
+            or any(m.weight.dtype != torch.float32 or m.weight.device.type != "cpu" for m in linears)):
+        return False, None
+    from ..quant.autotune import machine_id
+
+    big = max(linears, key=lambda m: m.weight.numel())
+    key = (machine_id(), big.in_features, big.out_features, rows)
+    if key not in _MEASURED:
+        _MEASURED[key] = SmallBatchLinear.measure(big.in_features, big.out_features, rows)
+    timing = {"shape": [big.in_features, big.out_features], "rows": rows, "us_per_call": dict(_MEASURED[key])}
+    return _MEASURED[key]["small-batch"] < _MEASURED[key]["torch"], timing
+
+
 @contextlib.contextmanager
-def attach_cache(model: nn.Module, config: DLLMCacheConfig, prompt_length: int, key_mask: torch.Tensor | None):
+def attach_cache(model: nn.Module, config: DLLMCacheConfig, prompt_length: int, key_mask: torch.Tensor | None,
+                 partial_rows: int | None = None):
     """Serve ``model``'s decoder layers through dLLM-Cache inside the ``with`` block.
 
     Replaces each entry of the model's layer list by a :class:`CachedLayer` and restores the
@@ -414,6 +461,8 @@ def attach_cache(model: nn.Module, config: DLLMCacheConfig, prompt_length: int, 
         config: the cache settings.
         prompt_length: P (prompt positions, padding included, come first).
         key_mask: ``[B, P + gen_length]`` bool (True = real token) or None.
+        partial_rows: rows of a V-verify step's Linear calls (:func:`verify_rows`), which
+            ``small_batch_linear="auto"`` measures at; None: ``"auto"`` means off.
 
     Yields:
         the :class:`FeatureCache`; call ``next_step()`` before each forward.
@@ -425,6 +474,8 @@ def attach_cache(model: nn.Module, config: DLLMCacheConfig, prompt_length: int, 
     if any(isinstance(m, CachedLayer) for m in layers):
         raise RiverError("dLLM-Cache is already attached to this model (nested generate calls are not supported)")
     fc = FeatureCache(config=config, prompt_length=prompt_length, key_mask=key_mask)
+    use_mode, fc.linear_timing = choose_partial_kernel(layers, config, partial_rows)
+    fc.linear_mode = SmallBatchLinear() if use_mode else None
     originals = list(layers)
     wrappers = [CachedLayer(layer, adapter_cls(layer), fc, i) for i, layer in enumerate(originals)]
     try:

@@ -37,7 +37,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..errors import RiverError
-from .cache import DLLMCacheConfig, attach_cache, uncached_layer_flops
+from .cache import DLLMCacheConfig, attach_cache, uncached_layer_flops, verify_rows
 
 __all__ = ["DiffusionGenerationOutput", "generate", "mask_token_id", "num_transfer_tokens"]
 
@@ -52,10 +52,14 @@ class DiffusionGenerationOutput(ModelOutput):
         stats: with ``return_stats=True``, a dict: ``steps`` (model forwards), ``seconds`` (wall time
             of the denoising loop), ``tokens_per_s`` (generated tokens of all rows per second),
             ``layer_flops`` (decoder-layer FLOPs spent, None when the layout is unknown),
-            ``layer_flops_full`` (what uncached would spend), ``flops_ratio`` (full / spent), and with a
+            ``layer_flops_full`` (what uncached would spend), ``flops_ratio`` (full / spent),
+            ``step_seconds`` (wall seconds per step kind, forward and commit: ``"full"``, and with a cache
+            ``"prompt"``, ``"response"``, ``"verify"`` as in ``FeatureCache.kind``), and with a
             cache ``refresh_counts``, ``selected_tokens`` (V-verify rows, summed over layers and rows),
-            ``cache`` (its settings) and, with ``small_batch_linear``, ``small_batch_linear_calls``
-            (Linear calls it rerouted). None otherwise.
+            ``cache`` (its settings), ``small_batch_linear_used`` (whether the decomposed steps ran
+            under :class:`~river_hf.kernels.SmallBatchLinear`), with ``"auto"`` the deciding
+            ``small_batch_linear_timing`` (shape, rows, µs per call of each orientation), and when used
+            ``small_batch_linear_calls`` (Linear calls it rerouted). None otherwise.
     """
 
     sequences: torch.LongTensor | None = None
@@ -213,13 +217,15 @@ def generate(
         fc = None
         if cache is not None:
             key_mask = None if full_mask is None else full_mask.bool()
-            fc = stack.enter_context(attach_cache(model, cache, p, key_mask))
+            rows = verify_rows(b, gen_length, cache.ratio)
+            fc = stack.enter_context(attach_cache(model, cache, p, key_mask, partial_rows=rows))
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
             desc = "denoising" + (" (dLLM-Cache)" if cache else "")
             bar = stack.enter_context(tqdm(total=run_blocks * steps_per_block, desc=desc, unit="step"))
+        step_seconds: dict[str, float] = {}
         t0 = time.perf_counter()
         for blk in range(run_blocks):
             lo = p + blk * block_length
@@ -228,8 +234,11 @@ def generate(
                 cols = _masked_positions(x, lo, lo + block_length, mask_id)
                 if fc is not None:
                     fc.next_step()
+                ts = time.perf_counter()
                 logits = _position_logits(model, x, cols, full_mask, shift_logits, use_keep, mask_id)
                 _denoise_step(x, logits, cols, n_transfer[:, i], temperature, remasking, mask_id, generator)
+                kind = "full" if fc is None else fc.kind
+                step_seconds[kind] = step_seconds.get(kind, 0.0) + time.perf_counter() - ts
                 if bar is not None:
                     bar.update(1)
         seconds = time.perf_counter() - t0
@@ -237,6 +246,7 @@ def generate(
     if not return_stats:
         return DiffusionGenerationOutput(sequences=x)
     stats = _stats(model, fc, b, p + gen_length, run_blocks * steps_per_block, b * run_blocks * block_length, seconds)
+    stats["step_seconds"] = step_seconds
     return DiffusionGenerationOutput(sequences=x, stats=stats)
 
 
@@ -297,6 +307,9 @@ def _stats(model, fc, batch, tokens, steps_run, generated, seconds) -> dict:
         stats["selected_tokens"] = fc.selected
         stats["cache"] = {"prompt_interval": cfg.prompt_interval, "response_interval": cfg.response_interval,
                           "ratio": cfg.ratio, "small_batch_linear": cfg.small_batch_linear}  # fmt: skip
+        stats["small_batch_linear_used"] = fc.linear_mode is not None
+        if fc.linear_timing is not None:
+            stats["small_batch_linear_timing"] = fc.linear_timing
         if fc.linear_mode is not None:
             stats["small_batch_linear_calls"] = fc.linear_mode.calls_rerouted
     return stats
