@@ -46,17 +46,27 @@ from river_hf.eval.common import atomic_write
 DEFAULT_SETTINGS = "50,7,0.25;100,8,0.1;25,5,0.25"
 
 
-def parse_settings(text: str) -> list[tuple[int, int, float]]:
-    """``"Kp,Kr,rho;..."`` -> ``[(Kp, Kr, rho), ...]``."""
+ON_OFF = {"auto": "auto", "on": True, "off": False}
+
+
+def parse_settings(text: str, kernel: str = "auto") -> list[tuple[int, int, float, str]]:
+    """``"Kp,Kr,rho[,auto|on|off];..."`` -> ``[(Kp, Kr, rho, small_batch_linear), ...]``; a setting
+    without the fourth field takes ``kernel`` (``--small-batch-linear``)."""
     out = []
     for part in text.split(";"):
-        kp, kr, rho = part.split(",")
-        out.append((int(kp), int(kr), float(rho)))
+        fields = part.split(",")
+        kp, kr, rho = fields[:3]
+        sbl = fields[3] if len(fields) > 3 else kernel
+        if sbl not in ON_OFF or len(fields) > 4:
+            raise SystemExit(f"bad setting {part!r}: use Kp,Kr,rho or Kp,Kr,rho,auto|on|off")
+        out.append((int(kp), int(kr), float(rho), sbl))
     return out
 
 
-def setting_name(s: tuple[int, int, float] | None) -> str:
-    return "uncached" if s is None else f"Kp={s[0]},Kr={s[1]},rho={s[2]}"
+def setting_name(s: tuple | None, kernel: str = "auto") -> str:
+    if s is None:
+        return "uncached"
+    return f"Kp={s[0]},Kr={s[1]},rho={s[2]}" + ("" if s[3] == kernel else f",small-batch {s[3]}")
 
 
 def spread(values: list[float]) -> dict:
@@ -261,7 +271,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=None,
                     help="time only the first N blocks of the schedule (same schedule, fewer steps run)")
-    ap.add_argument("--settings", default=DEFAULT_SETTINGS, help=f"'Kp,Kr,rho;...' (default {DEFAULT_SETTINGS})")
+    ap.add_argument("--settings", default=DEFAULT_SETTINGS,
+                    help=f"'Kp,Kr,rho[,auto|on|off];...' (default {DEFAULT_SETTINGS}); the 4th field overrides --small-batch-linear")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds, alternating order (>= 3, default 3)")
     ap.add_argument("--target", type=float, default=4.0, help="wall speedup to check against (default 4)")
     ap.add_argument("--flops-share", type=float, default=0.85,
@@ -284,7 +295,7 @@ def main(argv=None) -> int:
     from river_hf.diffusion import DLLMCacheConfig, build_test_model, generate
 
     torch.set_num_threads(args.threads)
-    settings = parse_settings(args.settings)
+    settings = parse_settings(args.settings, args.small_batch_linear)
     t0 = time.perf_counter()
     model = build_test_model(args.layout, args.size, seed=args.seed, dtype=getattr(torch, args.dtype))
     info = {"params": sum(p.numel() for p in model.parameters()),
@@ -295,7 +306,7 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, min(mask_id, model.config.vocab_size) - 1, (1, args.prompt_length), generator=g)
     kw = dict(steps=args.steps, gen_length=args.gen_length, block_length=args.block_length, return_stats=True,
               progress=True)  # fmt: skip
-    caches = {setting_name(s): None if s is None else DLLMCacheConfig(*s, small_batch_linear={"auto": "auto", "on": True, "off": False}[args.small_batch_linear])
+    caches = {setting_name(s, args.small_batch_linear): None if s is None else DLLMCacheConfig(*s[:3], small_batch_linear=ON_OFF[s[3]])
               for s in [None, *settings]}  # fmt: skip
     print(f"model: {args.layout} {args.size}, {info['params'] / 1e9:.3f}e9 params, built in {info['build_seconds']:.0f} s",
           flush=True)  # fmt: skip
