@@ -42,6 +42,7 @@ import time
 import torch
 
 from river_hf.eval.common import atomic_write
+from river_hf.timing import memory_bandwidth_gb_s
 
 DEFAULT_SETTINGS = "50,7,0.25;100,8,0.1;25,5,0.25"
 
@@ -103,6 +104,7 @@ def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args) 
             "cpu_seconds": spread(cpu),
             "steps": rounds[0]["steps"],
             "tokens_per_s": (done - p) / w["median"],
+            "steps_per_s": rounds[0]["steps"] / w["median"],
             "speedup": speedup,
             "speedup_range": speedup_range,
             "cpu_speedup": statistics.median(r["cpu_seconds"] for r in runs["uncached"]) / statistics.median(cpu),
@@ -194,7 +196,7 @@ def write_results(args, model, rows, info) -> None:
     axes[2].set_ylabel("token agreement with uncached")
     for ax in axes:
         ax.set_xticks(list(xs), names, fontsize=7)
-    fig.suptitle(f"dLLM-Cache, random-weight {size_text(info['params'])} {layout} model, CPU ({args.threads} thread), "
+    fig.suptitle(f"dLLM-Cache, random-weight {size_text(info['params'])} {layout} model, CPU ({args.threads} thread{'s' if args.threads != 1 else ''}), "
                  f"P={args.prompt_length}, G={args.gen_length}, steps={args.steps}, block={args.block_length}, "
                  f"{rounds} rounds (speed only)", fontsize=9)  # fmt: skip
     fig.tight_layout()
@@ -214,7 +216,8 @@ def write_results(args, model, rows, info) -> None:
         "",
         f"    {command}",
         "",
-        f"Prompt {args.prompt_length} tokens, gen_length {args.gen_length}, steps {args.steps}, block {args.block_length},"
+        f"Prompt {args.prompt_length} tokens, gen_length {args.gen_length}, steps {args.steps}, block {args.block_length}"
+        + (f" (timed: the first {args.blocks} blocks, {rows[0]['steps']} steps)," if args.blocks else ",") +
         f" batch 1, greedy, low-confidence remasking, {args.dtype}, torch threads {args.threads}"
         f", SmallBatchLinear {args.small_batch_linear}. Warm-up of every setting, then {rounds}"
         " rounds of all settings in alternating order (forward, reversed, ...).",
@@ -222,9 +225,13 @@ def write_results(args, model, rows, info) -> None:
         "Speedup range: min uncached / max cached .. max uncached / min cached; \"not resolved\" = the range"
         " straddles the threshold. Overhead share = 1 - wall speedup / layer-FLOPs ratio.",
         "",
-        "| run | wall s median [min-max] | speedup [range] | CPU s median | layer-FLOPs ratio | overhead share |"
+        f"Steps/s next to the weight bytes they read (every step reads all weights but the embedding table:"
+        f" {info['step_weight_bytes'] / 1e9:.2f} GB) as a share of this machine's measured read bandwidth"
+        f" ({info['bandwidth_gb_s']:.1f} GB/s, `river_hf.timing.memory_bandwidth_gb_s`).",
+        "",
+        "| run | wall s median [min-max] | speedup [range] | steps/s (weight GB/s, share) | CPU s median | layer-FLOPs ratio | overhead share |"
         f" agreement | faster than uncached | >= {args.target:g}x | >= {args.flops_share:g} x FLOPs ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s = r["seconds"]
@@ -233,6 +240,8 @@ def write_results(args, model, rows, info) -> None:
         speedup = f"{r['speedup']:.2f}x" + (f" [{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}]" if cached else "")
         lines.append(
             f"| {r['name']} | {s['median']:.4g} [{s['min']:.4g}-{s['max']:.4g}] | {speedup} | "
+            f"{r['steps_per_s']:.3g} ({r['steps_per_s'] * info['step_weight_bytes'] / 1e9:.1f} GB/s, "
+            f"{r['steps_per_s'] * info['step_weight_bytes'] / 1e9 / info['bandwidth_gb_s']:.0%}) | "
             f"{r['cpu_seconds']['median']:.4g} | {r['flops_ratio']:.2f}x | {overhead} | {r['agreement']:.3f} | "
             f"{r.get('faster_than_uncached', '-')} | {r.get('meets_target', '-')} | {r.get('meets_flops_share', '-')} |"
         )
@@ -282,6 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (same for every run)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bandwidth-gb-s", type=float, default=None,
+                    help="this machine's read bandwidth in GB/s (default: measured, river_hf.timing.memory_bandwidth_gb_s)")
     ap.add_argument("--out", default=None,
                     help="output path without extension (default docs/results/diffusion_<layout><size>[_p<P>]_cpu)")
     args = ap.parse_args(argv)
@@ -298,7 +309,14 @@ def main(argv=None) -> int:
     settings = parse_settings(args.settings, args.small_batch_linear)
     t0 = time.perf_counter()
     model = build_test_model(args.layout, args.size, seed=args.seed, dtype=getattr(torch, args.dtype))
+    embedding = model.get_input_embeddings().weight
+    if embedding is model.get_output_embeddings().weight:  # tied: the LM head reads it every step
+        embedding = None
     info = {"params": sum(p.numel() for p in model.parameters()),
+            # every step (cached ones too: V-verify touches every Linear) reads all weights but the
+            # embedding table, of which it gathers only P + G rows
+            "step_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding),
+            "bandwidth_gb_s": args.bandwidth_gb_s or memory_bandwidth_gb_s(),
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "build_seconds": time.perf_counter() - t0}  # fmt: skip
     mask_id = model.config.mask_token_id
