@@ -445,6 +445,14 @@ def test_bad_masks_and_config(models):
     for bad in (dict(prompt_interval=0), dict(response_interval=1.5), dict(ratio=1.5)):
         with pytest.raises(RiverError):
             DLLMCacheConfig(**bad)
+    right = torch.ones_like(ids)
+    right[1, -3:] = 0  # right padding: the answer would not follow the prompt
+    with pytest.raises(RiverError, match="pad prompts on the left"):
+        _gen(models["llada"], ids, right)
+    with pytest.raises(RiverError, match="token ids in"):
+        _gen(models["llada"], ids + models["llada"].config.vocab_size, None)
+    with pytest.raises(RiverError, match="on / off are True / False"):
+        DLLMCacheConfig(small_batch_linear="on")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -57,6 +57,7 @@ def test_diffuse_text_output_and_folder(tmp_path, capsys):
         (["--mask-id", "-3"], "--mask-id"),
         (["--mask-id", "99999999"], "outside this model's vocabulary"),
         (["--kr", "0"], "--kr"),
+        (["--no-cache", "--compare"], "drop --no-cache"),
     ],
 )
 def test_diffuse_bad_input(argv, message, capsys):
@@ -74,3 +75,15 @@ def test_diffuse_subprocess_help_and_error():
     r = subprocess.run([sys.executable, "-m", "river_hf.cli", "diffuse", "--model", "/no/such/dir"], cwd=root,
                        env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 2 and "river-hf: error:" in r.stderr
+
+
+def test_diffuse_model_without_lm_head_is_one_error(tmp_path, capsys):
+    """A folder holding a plain causal LM loads through AutoModel without its head: one error, exit 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    assert main(["diffuse", "--model", str(tmp_path), *SMALL, "--mask-id", "127", "--no-cache", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("river-hf: error:") and "no LM head" in err

@@ -78,7 +78,8 @@ class DLLMCacheConfig:
         if not 0.0 <= float(self.ratio) <= 1.0:
             raise RiverError(f"ratio (rho) must be in [0, 1], got {self.ratio}")
         if not isinstance(self.small_batch_linear, bool) and self.small_batch_linear != "auto":
-            raise RiverError(f"small_batch_linear must be True, False or 'auto', got {self.small_batch_linear!r}")
+            raise RiverError(f"small_batch_linear must be True, False or 'auto', got {self.small_batch_linear!r}"
+                             " (the CLI's on / off are True / False here)")
 
 
 def select_response_tokens(v_fresh: torch.Tensor, v_cached: torch.Tensor, ratio: float) -> torch.Tensor:

@@ -91,6 +91,8 @@ def _check_args(args) -> None:
         raise RiverError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not 0 <= args.ratio <= 1:
         raise RiverError(f"--ratio (V-verify ratio rho) must be in [0, 1], got {args.ratio}")
+    if args.compare and args.no_cache:
+        raise RiverError("--compare runs cached and uncached generation; drop --no-cache (or --compare)")
     if args.mask_id is not None and args.mask_id < 0:
         raise RiverError(f"--mask-id must be a token id >= 0, got {args.mask_id}")
 

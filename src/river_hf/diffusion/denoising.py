@@ -120,7 +120,7 @@ def _accepts(model, name: str) -> bool:
     return name in params
 
 
-def _check(input_ids, attention_mask, steps, gen_length, block_length, temperature, remasking, cache):
+def _check(model, input_ids, attention_mask, steps, gen_length, block_length, temperature, remasking, cache):
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise RiverError("input_ids must be an int64 tensor of shape [batch, prompt_length]")
     if input_ids.shape[1] < 1:
@@ -147,6 +147,15 @@ def _check(input_ids, attention_mask, steps, gen_length, block_length, temperatu
             )
         if not bool((attention_mask.sum(dim=1) > 0).all()):
             raise RiverError("a row of attention_mask is all zeros; every prompt needs at least one real token")
+        am = attention_mask.long()
+        if bool((am[:, 1:] < am[:, :-1]).any()):  # a 0 after a 1: padding after a token
+            row = int((am[:, 1:] < am[:, :-1]).any(1).nonzero()[0])
+            raise RiverError(f"row {row} of attention_mask has padding after a real token; pad prompts on the left "
+                             "(tokenizer.padding_side = 'left'): the answer follows the prompt directly")  # fmt: skip
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise RiverError(f"input_ids must be token ids in [0, {vocab}); got values in "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")  # fmt: skip
 
 
 @torch.inference_mode()
@@ -174,8 +183,8 @@ def generate(
         model: a bidirectional masked-diffusion LM whose forward takes ``input_ids`` and
             ``attention_mask`` and returns ``.logits`` (``[B, T, vocab]``) for all positions. With
             ``cache`` its layers must be Llama/Qwen2-style decoder layers or LLaDA blocks.
-        input_ids: ``[B, P]`` int64 prompts; padded prompts must be left-padded *or* carry their
-            padding in ``attention_mask`` (padding keys are masked everywhere).
+        input_ids: ``[B, P]`` int64 prompts; padded prompts must be left-padded, their padding marked
+            in ``attention_mask`` (padding keys are masked everywhere).
         steps: total denoising steps (one model forward each), a multiple of the number of blocks.
         gen_length: number of tokens to generate (``G``), a multiple of ``block_length``.
         block_length: tokens per semi-autoregressive block.
@@ -197,10 +206,12 @@ def generate(
         the answer) and, with ``return_stats``, ``.stats``.
 
     Raises:
-        RiverError: inconsistent lengths, bad mask, unknown remasking, unsupported layer layout, no
-            [MASK] id given or found in the model's configs, or one outside the vocabulary.
+        RiverError: inconsistent lengths, bad mask (wrong shape, an all-padding row, padding after a
+            real token), prompt ids outside the vocabulary, unknown remasking, unsupported layer
+            layout, no [MASK] id given or found in the model's configs, or one outside the vocabulary,
+            or a model that returns no logits.
     """
-    _check(input_ids, attention_mask, steps, gen_length, block_length, temperature, remasking, cache)
+    _check(model, input_ids, attention_mask, steps, gen_length, block_length, temperature, remasking, cache)
     mask_id = _resolve_mask_id(model, mask_id)
     device = next(model.parameters()).device
     b, p = input_ids.shape
@@ -279,7 +290,12 @@ def _position_logits(model, x, cols, full_mask, shift_logits, use_keep, mask_id)
     kwargs = {"attention_mask": full_mask}
     if use_keep:
         kwargs["logits_to_keep"] = keep
-    logits = model(input_ids=x, **kwargs).logits
+    out = model(input_ids=x, **kwargs)
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        raise RiverError(f"{type(model).__name__} returned no logits ({type(out).__name__}): it has no LM head; "
+                         "load a masked-diffusion LM with its head (AutoModelForMaskedLM, or the model's own "
+                         "class with trust_remote_code=True)")  # fmt: skip
     if not use_keep:
         logits = logits[:, keep]  # an index tensor: a copy, so the in-place write below is safe
     logits[..., mask_id] = float("-inf")
