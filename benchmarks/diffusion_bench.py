@@ -41,13 +41,11 @@ import time
 
 import torch
 
+from river_hf.diffusion.cli import SMALL_BATCH_LINEAR
 from river_hf.eval.common import atomic_write
 from river_hf.timing import memory_bandwidth_gb_s
 
 DEFAULT_SETTINGS = "50,7,0.25;100,8,0.1;25,5,0.25"
-
-
-ON_OFF = {"auto": "auto", "on": True, "off": False}
 
 
 def parse_settings(text: str, kernel: str = "auto") -> list[tuple[int, int, float, str]]:
@@ -58,7 +56,7 @@ def parse_settings(text: str, kernel: str = "auto") -> list[tuple[int, int, floa
         fields = part.split(",")
         kp, kr, rho = fields[:3]
         sbl = fields[3] if len(fields) > 3 else kernel
-        if sbl not in ON_OFF or len(fields) > 4:
+        if sbl not in SMALL_BATCH_LINEAR or len(fields) > 4:
             raise SystemExit(f"bad setting {part!r}: use Kp,Kr,rho or Kp,Kr,rho,auto|on|off")
         out.append((int(kp), int(kr), float(rho), sbl))
     return out
@@ -286,7 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=4.0, help="wall speedup to check against (default 4)")
     ap.add_argument("--flops-share", type=float, default=0.85,
                     help="also check wall speedup >= this share of the layer-FLOPs ratio (default 0.85)")
-    ap.add_argument("--small-batch-linear", default="auto", choices=["auto", "on", "off"],
+    ap.add_argument("--small-batch-linear", default="auto", choices=list(SMALL_BATCH_LINEAR),
                     help="cached settings' partial steps under SmallBatchLinear: auto (default, measured), on, off")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (same for every run)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -324,7 +322,7 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, min(mask_id, model.config.vocab_size) - 1, (1, args.prompt_length), generator=g)
     kw = dict(steps=args.steps, gen_length=args.gen_length, block_length=args.block_length, return_stats=True,
               progress=True)  # fmt: skip
-    caches = {setting_name(s, args.small_batch_linear): None if s is None else DLLMCacheConfig(*s[:3], small_batch_linear=ON_OFF[s[3]])
+    caches = {setting_name(s, args.small_batch_linear): None if s is None else DLLMCacheConfig(*s[:3], small_batch_linear=SMALL_BATCH_LINEAR[s[3]])
               for s in [None, *settings]}  # fmt: skip
     print(f"model: {args.layout} {args.size}, {info['params'] / 1e9:.3f}e9 params, built in {info['build_seconds']:.0f} s",
           flush=True)  # fmt: skip

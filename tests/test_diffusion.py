@@ -210,10 +210,15 @@ def test_small_batch_linear_auto_decides_by_measurement(models, monkeypatch):
     monkeypatch.setenv("RIVER_HF_AUTOTUNE", "1")
     monkeypatch.setattr(SmallBatchLinear, "measure", staticmethod(fake("small-batch")))
     ids, mask = _prompts(True)
-    out = _gen_out(model, ids, mask, DLLMCacheConfig(4, 2, 0.25))
+    out = _gen_out(model, ids, mask, DLLMCacheConfig(4, 2, 0.25, small_batch_linear="auto"))
     assert calls[-1][2] == 3 * int(KW["gen_length"] * 0.25)
     assert out.stats["small_batch_linear_used"] and out.stats["small_batch_linear_calls"] > 0
     assert out.stats["small_batch_linear_timing"]["us_per_call"] == {"torch": 2.0, "small-batch": 1.0}
+
+
+def test_small_batch_linear_is_off_by_default(models):
+    out = _gen_out(models["llada"], *_prompts(False), DLLMCacheConfig(4, 2, 0.25))
+    assert out.stats["small_batch_linear_used"] is False and "small_batch_linear_timing" not in out.stats
 
 
 def test_step_seconds_by_kind(models):

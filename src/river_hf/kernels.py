@@ -44,7 +44,9 @@ class SmallBatchLinear(TorchFunctionMode):
         ValueError: ``max_rows`` is not an int >= 2.
     """
 
-    def __init__(self, max_rows: int = 64):
+    DEFAULT_MAX_ROWS = 64
+
+    def __init__(self, max_rows: int = DEFAULT_MAX_ROWS):
         super().__init__()
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 2:
             raise ValueError(f"max_rows must be an int >= 2 (one row is already a fast GEMV), got {max_rows!r}")

@@ -55,9 +55,10 @@ class DLLMCacheConfig:
         small_batch_linear: run the decomposed (non-full-refresh) steps under
             :class:`river_hf.kernels.SmallBatchLinear`, which computes fp32 CPU Linear calls of 2..64
             rows (V-verify's rho * G selected tokens) in the ``(W @ x.T).T`` orientation. ``True`` /
-            ``False`` force it on / off; ``"auto"`` (default) measures both orientations on this
-            machine, on the block's largest Linear shape at the V-verify row count
-            (:func:`choose_partial_kernel`), once per process and shape, and uses the faster. Full
+            ``False`` (default: its wall-time gain was not resolved, docs/diffusion.md) force it on /
+            off; ``"auto"`` measures both orientations on this machine, on the block's largest Linear
+            shape at the V-verify row count (:func:`choose_partial_kernel`), once per process and
+            shape, and uses the faster. Full
             refresh steps never use it, so ``Kp = Kr = 1`` stays exact; elsewhere results change by
             fp32 summation order only.
 
@@ -68,7 +69,7 @@ class DLLMCacheConfig:
     prompt_interval: int = 50
     response_interval: int = 7
     ratio: float = 0.25
-    small_batch_linear: bool | str = "auto"
+    small_batch_linear: bool | str = False
 
     def __post_init__(self):
         if int(self.prompt_interval) != self.prompt_interval or self.prompt_interval < 1:
@@ -435,7 +436,7 @@ def choose_partial_kernel(layers, config: DLLMCacheConfig, rows: int | None) -> 
     if isinstance(choice, bool):
         return choice, None
     linears = [m for m in layers[0].modules() if isinstance(m, nn.Linear)]
-    if (not linears or rows is None or not 2 <= rows <= SmallBatchLinear().max_rows
+    if (not linears or rows is None or not 2 <= rows <= SmallBatchLinear.DEFAULT_MAX_ROWS
             or os.environ.get("RIVER_HF_AUTOTUNE", "1") == "0"
             or any(m.weight.dtype != torch.float32 or m.weight.device.type != "cpu" for m in linears)):
         return False, None

@@ -16,7 +16,7 @@ from ..errors import RiverError
 TEST_MODELS = ("tiny-llada", "tiny-llama", "small-llada", "small-llama", "1b-llada", "1b-llama")
 
 
-_ON_OFF = {"auto": "auto", "on": True, "off": False}
+SMALL_BATCH_LINEAR = {"off": False, "on": True, "auto": "auto"}  # --small-batch-linear -> DLLMCacheConfig
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -39,9 +39,9 @@ def register(subparsers) -> None:
     p.add_argument("--kp", type=int, default=50, help="prompt_interval Kp (default 50)")
     p.add_argument("--kr", type=int, default=7, help="response_interval Kr (default 7)")
     p.add_argument("--ratio", type=float, default=0.25, help="V-verify ratio rho (default 0.25)")
-    p.add_argument("--small-batch-linear", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--small-batch-linear", default="off", choices=list(SMALL_BATCH_LINEAR),
                    help="run the cache's partial steps under river_hf.kernels.SmallBatchLinear (fp32 CPU): "
-                        "auto (default) measures it against F.linear on this machine and takes the faster")
+                        "off (default), on, or auto (measure it against F.linear on this machine, take the faster)")
     p.add_argument("--no-cache", action="store_true", help="uncached generation only")
     p.add_argument("--compare", action="store_true", help="also run uncached; report speedup and agreement")
     p.add_argument("--seed", type=int, default=0)
@@ -134,7 +134,7 @@ def handler(args) -> int:
     kw = dict(steps=args.steps, gen_length=args.gen_length, block_length=args.block_length,
               temperature=args.temperature, remasking=args.remasking, mask_id=mask_id,
               progress=not args.json, return_stats=True)  # fmt: skip
-    cache = None if args.no_cache else DLLMCacheConfig(args.kp, args.kr, args.ratio, _ON_OFF[args.small_batch_linear])
+    cache = None if args.no_cache else DLLMCacheConfig(args.kp, args.kr, args.ratio, SMALL_BATCH_LINEAR[args.small_batch_linear])
 
     def run(c):
         gen = torch.Generator().manual_seed(args.seed)

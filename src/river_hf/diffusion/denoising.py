@@ -21,7 +21,7 @@ Differences from LLaDA's script, all without effect on the committed tokens of a
 logits are only computed at the current block's still-masked positions (masked in any row) when the
 model accepts ``logits_to_keep`` (a committed token is never changed, tokens before the block are all
 committed and later ones cannot be chosen; on the 1B test model's 126k-token vocabulary the LM head over
-a 32-token block was 26-30 % of a V-verify step, and the masked share of a block averages about half); the [MASK] id
+a 32-token block is about a quarter of a V-verify step (docs/diffusion.md), and the masked share of a block averages about half); the [MASK] id
 itself is never predicted; [MASK] tokens inside the prompt stay as they are (the prompt is
 conditioning only). Random draws (Gumbel noise, random remasking) are taken over those positions only.
 """
