@@ -160,33 +160,68 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def test_state_propagation_writes_the_skipped_layers_projections_of_the_exit_state():
+def _rms(x, weight, eps, gemma):
+    """RMSNorm over the last dim, as the family defines it (Gemma 3: fp32, scale 1 + weight)."""
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return y * (1.0 + weight.float()) if gemma else y * weight
+
+
+def _perturb_norms_and_biases(model):
+    """Random norm weights and projection biases (from_config leaves Gemma's norms at 0 and
+    Qwen2's biases at 0, where a reference that dropped them would still agree)."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_state_propagation_writes_the_skipped_layers_projections_of_the_exit_state(family):
     """Every decode pass exits after layer 0; each skipped layer's cache slot must hold, at that
-    position, RMSNorm -> K/V projection -> rotary of the exit hidden state, computed here by hand
-    from the weights (Llama: no bias, rope theta from the config)."""
-    base = llama()
+    position, input norm -> K/V projection (+ bias) -> k-norm -> rotary of the exit hidden state,
+    computed here by hand from each layer's own weights: Llama (no bias, one rope theta), Qwen2
+    (k/v projection biases), Gemma 3 (norms scale by 1 + weight, a k-norm per head, and the local
+    rope theta on sliding layers, the global one on full layers; the sliding layers' slots keep
+    only their last window - 1 positions)."""
+    base = _perturb_norms_and_biases(tiny_model(family))
     model = scripted(river(base, "state-propagation"), [1, 1, 1])
     exit_states = []
     hook = model.model.layers[0].register_forward_hook(lambda m, a, o: exit_states.append(o.detach().clone()))
     out, cache = generate(model, ids(), 4)
     hook.remove()
     cfg = base.config
-    d = cfg.hidden_size // cfg.num_attention_heads
-    theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    gemma = family == "gemma3"
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    total = PROMPT + 3  # positions fed: the prompt and 3 decode passes
+    if family == "qwen2":
+        assert base.model.layers[1].self_attn.k_proj.bias.abs().sum() > 0  # the bias is there to be dropped
     for step, h in enumerate(exit_states[1:]):  # [0] is the prompt pass
         pos = PROMPT + step
         for j in range(1, 4):
             layer = base.model.layers[j]
-            x = h[0, 0]
-            x = x * torch.rsqrt(x.pow(2).mean() + cfg.rms_norm_eps) * layer.input_layernorm.weight
-            k = (x @ layer.self_attn.k_proj.weight.T).view(-1, d)
-            v = (x @ layer.self_attn.v_proj.weight.T).view(-1, d)
+            attn = layer.self_attn
+            x = _rms(h[0, 0], layer.input_layernorm.weight, cfg.rms_norm_eps, gemma)
+            k = x @ attn.k_proj.weight.T
+            v = x @ attn.v_proj.weight.T
+            if attn.k_proj.bias is not None:
+                k, v = k + attn.k_proj.bias, v + attn.v_proj.bias
+            k, v = k.view(-1, d), v.view(-1, d)
+            if gemma:
+                k = _rms(k, attn.k_norm.weight, cfg.rms_norm_eps, True)
+                theta = cfg.rope_parameters[cfg.layer_types[j]]["rope_theta"]
+            else:
+                theta = cfg.rope_parameters["rope_theta"]
+            inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
             emb = torch.cat([pos * inv_freq] * 2)
             k = k * emb.cos() + _rotate_half(k) * emb.sin()
-            torch.testing.assert_close(cache.layers[j].keys[0, :, pos], k, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(cache.layers[j].values[0, :, pos], v, rtol=1e-5, atol=1e-5)
-    assert all(layer.keys.shape[-2] == PROMPT + 3 for layer in cache.layers)
+            slot = cache.layers[j]
+            at = pos - total + slot.keys.shape[-2]  # sliding layers keep the last positions only
+            torch.testing.assert_close(slot.keys[0, :, at], k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(slot.values[0, :, at], v, rtol=1e-5, atol=1e-5)
+    kept = [layer.keys.shape[-2] for layer in cache.layers]
+    assert kept == ([cfg.sliding_window - 1, total] * 2 if gemma else [total] * 4)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
