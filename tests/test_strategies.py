@@ -262,15 +262,69 @@ def test_kv_mask_gives_absent_positions_zero_attention_weight(attn):
 
 
 def test_kv_mask_sliding_window_layers_follow_their_window():
-    """Gemma3 (sliding window 8): exits past the window; tokens with sdpa equal those with eager."""
-    outs = []
+    """Gemma3 (sliding window 8, layers sliding/full/sliding/full), exits past the window, against
+    an independent reference: the plain model (eager) over the whole sequence in one pass, each
+    layer's attention mask replaced by one built here from the exit script alone: causal, the
+    window on sliding layers (q - 8 < k <= q), and no key at a position whose pass exited before
+    that layer. The positions whose pass ran every layer must then predict River's next token, and
+    every layer's cache slot (the sliding ones: their last window - 1 positions) must hold the
+    reference K/V at every present position. River with sdpa (it builds the mask) and with eager
+    (it narrows the model's additive one) both."""
+    from test_river_core import tiny_config
+
+    script = [1, 3, 1, None, 2, None, None]  # exit after this many layers, per decode pass
+    prompt, new, num_layers = 12, 8, 4
+    cfg = tiny_config("gemma3")
+    window = cfg.sliding_window
+    total = prompt + len(script)  # positions fed; the last new token is never fed
+    exit_after = {prompt + n: e for n, e in enumerate(script) if e is not None}  # position -> exit layer
+    absent = torch.zeros(num_layers, total, dtype=torch.bool)
+    for p, e in exit_after.items():
+        absent[e:, p] = True
+    q = torch.arange(total)[:, None]
+    k = torch.arange(total)[None, :]
+    allowed = {}
+    for j, kind in enumerate(cfg.layer_types):
+        a = (k <= q) & ~absent[j][None, :]
+        if kind == "sliding_attention":
+            a &= k > q - window
+        # a query whose own K/V is absent at j is never read again (absence only deepens): let it
+        # see itself so no row is empty (an all -inf row would give NaN)
+        allowed[j] = a | (absent[j][:, None] & (k == q))
+
+    torch.manual_seed(0)
+    ref_model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+    def set_mask(j):
+        def pre(module, args, kwargs):
+            m = torch.zeros(1, 1, total, total).masked_fill(~allowed[j], torch.finfo(torch.float32).min)
+            return args, {**kwargs, "attention_mask": m}
+        return pre
+
     for attn in ("sdpa", "eager"):
         torch.manual_seed(0)
-        from test_river_core import tiny_config
-        base = AutoModelForCausalLM.from_config(tiny_config("gemma3"), attn_implementation=attn).eval()
-        model = scripted(river(base, "kv-mask"), [1, 3, 1, None, 2, None, None])
-        outs.append(generate(model, ids(12), 8)[0])
-    assert torch.equal(outs[0], outs[1])
+        base = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+        model = scripted(river(base, "kv-mask"), script)
+        out, cache = generate(model, ids(prompt), new)
+        assert out.shape[1] == total + 1
+        for j in range(num_layers):  # the marks River kept are the ones the script implies
+            assert torch.equal(cache.river_absent.get(j, torch.zeros(1, total, dtype=torch.bool))[0], absent[j])
+        handles = [layer.self_attn.register_forward_pre_hook(set_mask(j), with_kwargs=True)
+                   for j, layer in enumerate(ref_model.model.layers)]
+        ref_cache = DynamicCache(config=cfg)
+        with torch.no_grad():
+            logits = ref_model(out[:, :total], cache=ref_cache).logits[0]
+        for h in handles:
+            h.remove()
+        full_depth = [prompt - 1] + [prompt + n for n, e in enumerate(script) if e is None]
+        assert full_depth == [11, 15, 17, 18]
+        assert logits[full_depth].argmax(-1).tolist() == out[0, [p + 1 for p in full_depth]].tolist()
+        for j, (layer, want) in enumerate(zip(cache.layers, ref_cache.layers)):
+            n = want.keys.shape[-2]
+            assert n == (window - 1 if cfg.layer_types[j] == "sliding_attention" else total)
+            present = ~absent[j, -n:]
+            torch.testing.assert_close(layer.keys[0, :, -n:][:, present], want.keys[0][:, present], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(layer.values[0, :, -n:][:, present], want.values[0][:, present], rtol=1e-4, atol=1e-5)
 
 
 def test_strategy_settings_and_refusals(tmp_path):
