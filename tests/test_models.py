@@ -19,6 +19,8 @@ def _isolated(tmp_path, monkeypatch):
     """Every test gets its own river-hf cache and, unless it says otherwise, a reachable Hub."""
     monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(models, "_hub_unreachable", lambda repo_id: None, raising=False)
+    monkeypatch.setattr(models, "_hub_decisions", {}, raising=False)  # offline decisions are per process
+    monkeypatch.delenv("RIVER_HF_HUB_FALLBACK", raising=False)
 
 
 def test_pass_through_hub_id_and_folder(tmp_path):
@@ -199,21 +201,47 @@ HUB_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
 def test_hub_id_without_hub_is_one_clear_error_naming_the_key(monkeypatch):
     monkeypatch.setattr(models, "_hub_unreachable", lambda repo_id: "test: no network")
-    expected = r"Hub is not reachable \(test: no network\).*use the key 'qwen2.5-coder-0.5b'"
+    expected = r"Hub is not reachable \(test: no network\).*load the key 'qwen2.5-coder-0.5b'.*RIVER_HF_HUB_FALLBACK=1"
     with pytest.raises(RiverError, match=expected):
         models.resolve(HUB_ID, progress=False)
     with pytest.raises(RiverError, match="use a model key"):
         models.resolve("someone/not-in-the-registry", progress=False)
 
 
-def test_hub_id_of_a_converted_registry_model_resolves_to_its_folder(tmp_path, monkeypatch, capsys):
+def test_hub_id_is_never_silently_replaced_by_the_registry_copy(tmp_path, monkeypatch, recwarn):
+    """Without the Hub, a Hub id whose registry copy is converted is refused (naming the key), not
+    swapped for those GGUF-dequantized weights, even with progress off."""
     monkeypatch.setattr(models, "_hub_unreachable", lambda repo_id: "test: no network")
     folder = tmp_path / "cache" / "models" / "qwen2.5-coder-0.5b"
     _save_tiny_weights(folder)
     models.write_manifest(folder)
-    assert models.resolve(HUB_ID) == str(folder)
-    assert models.resolve(HUB_ID.lower(), progress=False) == str(folder)  # Hub ids are case-insensitive
-    assert "registry model 'qwen2.5-coder-0.5b'" in capsys.readouterr().err
+    with pytest.raises(RiverError, match=r"load the key 'qwen2.5-coder-0.5b' .*not the Hub's weights; already converted"):
+        models.resolve(HUB_ID, progress=False)
+    assert models.resolve("qwen2.5-coder-0.5b", progress=False) == str(folder)  # the key the error names
+    assert not recwarn.list
+
+
+def test_hub_fallback_is_opt_in_warns_whatever_progress_and_is_said_once(tmp_path, monkeypatch, capsys):
+    probes = []
+    monkeypatch.setattr(models, "_hub_unreachable", lambda repo_id: probes.append(repo_id) or "test: no network")
+    monkeypatch.setenv("RIVER_HF_HUB_FALLBACK", "1")
+    folder = tmp_path / "cache" / "models" / "qwen2.5-coder-0.5b"
+    _save_tiny_weights(folder)
+    models.write_manifest(folder)
+    with pytest.warns(UserWarning, match=r"RIVER_HF_HUB_FALLBACK=1 substitutes the registry model 'qwen2.5-coder-0.5b'"
+                                         r".*GGUF Q4_K_M.*not the Hub's weights") as caught:
+        assert models.resolve(HUB_ID, progress=False) == str(folder)
+    assert len(caught) == 1
+    # A second resolve in the same process (the CLI resolves, then from_pretrained does): no second
+    # probe (no second 5 s timeout), no second notice.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert models.resolve(HUB_ID, progress=True) == str(folder)
+    assert probes == [HUB_ID] and capsys.readouterr().err == ""
+    with pytest.warns(UserWarning, match="substitutes"):
+        assert models.resolve(HUB_ID.lower(), progress=False) == str(folder)  # Hub ids are case-insensitive here
 
 
 def test_hub_id_in_the_hub_cache_resolves_to_its_snapshot(tmp_path, monkeypatch):

