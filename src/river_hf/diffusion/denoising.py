@@ -52,7 +52,14 @@ class DiffusionGenerationOutput(ModelOutput):
         stats: with ``return_stats=True``, a dict: ``steps`` (model forwards), ``seconds`` (wall time
             of the denoising loop), ``tokens_per_s`` (generated tokens of all rows per second),
             ``layer_flops`` (decoder-layer FLOPs spent, None when the layout is unknown),
-            ``layer_flops_full`` (what uncached would spend), ``flops_ratio`` (full / spent),
+            ``layer_flops_full`` (what uncached would spend), ``flops_ratio`` (full / spent; decoder
+            layers only: their projections and attention's QK^T and AV), ``head_rows`` (rows the LM head
+            ran on, all steps and sequences: the kept positions, or every position without
+            ``logits_to_keep``), ``head_flops`` (2 x the head's weight elements per row; None when the
+            model has no ``get_output_embeddings``), ``model_flops`` / ``model_flops_full`` (layers +
+            head; the head runs at the same positions cached or not) and ``model_flops_ratio``
+            (whole-model full / spent: what wall time can at best gain; the embedding gather and the
+            final norm are not counted),
             ``step_seconds`` (wall seconds per step kind, forward and commit: ``"full"``, and with a cache
             ``"prompt"``, ``"response"``, ``"verify"`` as in ``FeatureCache.kind``), and with a
             cache ``refresh_counts``, ``selected_tokens`` (V-verify rows, summed over layers and rows),
@@ -237,6 +244,7 @@ def generate(
             desc = "denoising" + (" (dLLM-Cache)" if cache else "")
             bar = stack.enter_context(tqdm(total=run_blocks * steps_per_block, desc=desc, unit="step"))
         step_seconds: dict[str, float] = {}
+        head_rows = 0
         t0 = time.perf_counter()
         for blk in range(run_blocks):
             lo = p + blk * block_length
@@ -247,6 +255,7 @@ def generate(
                     fc.next_step()
                 ts = time.perf_counter()
                 logits = _position_logits(model, x, cols, full_mask, shift_logits, use_keep, mask_id)
+                head_rows += b * (cols.numel() if use_keep else x.shape[1])
                 _denoise_step(x, logits, cols, n_transfer[:, i], temperature, remasking, mask_id, generator)
                 kind = "full" if fc is None else fc.kind
                 step_seconds[kind] = step_seconds.get(kind, 0.0) + time.perf_counter() - ts
@@ -258,6 +267,7 @@ def generate(
         return DiffusionGenerationOutput(sequences=x)
     stats = _stats(model, fc, b, p + gen_length, run_blocks * steps_per_block, b * run_blocks * block_length, seconds)
     stats["step_seconds"] = step_seconds
+    _add_model_flops(stats, model, head_rows)
     return DiffusionGenerationOutput(sequences=x, stats=stats)
 
 
@@ -329,6 +339,27 @@ def _stats(model, fc, batch, tokens, steps_run, generated, seconds) -> dict:
         if fc.linear_mode is not None:
             stats["small_batch_linear_calls"] = fc.linear_mode.calls_rerouted
     return stats
+
+
+def head_flops_per_row(model) -> int | None:
+    """FLOPs of the LM head for one position (2 x its weight elements), or None when the model has
+    no ``get_output_embeddings``."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    return None if weight is None else 2 * weight.numel()
+
+
+def _add_model_flops(stats: dict, model, head_rows: int) -> None:
+    """``head_rows``, ``head_flops``, ``model_flops``, ``model_flops_full``, ``model_flops_ratio``
+    into ``stats`` (see :class:`DiffusionGenerationOutput`)."""
+    per_row = head_flops_per_row(model)
+    head = None if per_row is None else per_row * head_rows
+    spent, full = stats["layer_flops"], stats["layer_flops_full"]
+    known = head is not None and spent is not None and full is not None
+    stats.update(head_rows=head_rows, head_flops=head, model_flops=spent + head if known else None,
+                 model_flops_full=full + head if known else None,
+                 model_flops_ratio=(full + head) / (spent + head) if known and spent + head else None)
 
 
 def _denoise_step(x, logits, cols, n_transfer, temperature, remasking, mask_id, generator) -> None:
