@@ -5,22 +5,30 @@ A random-weight LLaDA-layout model (``--size 1b``: about 1.1e9 parameters; ``--s
 ``--prompt-length``-token prompt, uncached and with dLLM-Cache at each ``--settings`` entry
 (Kp,Kr,rho), on the same model and prompt, in one process.
 
-Timing: first a warm-up of every setting (two forwards each over the full sequence length), then
-``--repeats`` rounds; each round runs uncached and every cached setting once, in forward order on
-even rounds and reversed on odd ones, so a slow drift of the shared machine's load hits all
-settings alike. Reported per setting: every round's wall seconds (``seconds_runs``; the denoising
-loop only) and CPU seconds, their median and min-max spread, the median speedup over uncached with
-its range (extreme pairs: min uncached / max cached .. max uncached / min cached), the counted
-decoder-layer FLOPs ratio, the *overhead share* ``1 - wall_speedup / flops_ratio`` (the part of the
-FLOPs saving that wall time does not see), and token agreement with uncached. A comparison is
-"not resolved" when the speedup range straddles the threshold (1x for "faster", ``--target`` for
-the target), i.e. when the spreads overlap.
+Timing goes through the project's side-by-side timer, ``river_hf.timing.compare`` (reference:
+uncached): its untimed warm-up call of every setting (here the short warm-up: two forwards over the
+full sequence length, one block), then ``--repeats`` rounds, each running uncached and every cached
+setting once, in forward order on even rounds and reversed on odd ones, so a slow drift of the
+shared machine's load hits all settings alike; speedups are taken per round (the two runs of a
+round are neighbours in time) and reported as median and min-max, as everywhere in river-hf. One
+timed unit is one whole ``generate`` call; the timer gets its denoising-loop seconds, all generated
+tokens counted as decode tokens (no TTFT: the answer is final only at the end).
+
+Reported per setting: every round's wall seconds (``seconds_runs``) and CPU seconds, their median and
+min-max spread, the speedup over uncached (median and min-max of the per-round ratios), two counted
+FLOPs ratios (uncached / cached): ``flops_ratio`` over the decoder layers (projections + attention's
+QK^T and AV) and ``model_flops_ratio`` over the whole model (layers + the LM head at the positions it
+actually runs on), the *overhead share* ``1 - wall_speedup / ratio`` against each (the part of the
+FLOPs saving that wall time does not see), and token agreement with uncached. The whole-model
+ratio is the one wall time should be held to (the head runs every step, cached or not). A
+comparison is "not resolved" when the speedup range straddles the threshold (1x for "faster",
+``--target`` for the target, ``--flops-share`` x a FLOPs ratio), i.e. when the spreads overlap.
 
 Random weights measure speed only: agreement here says nothing about answer quality (needs real
 LLaDA/Dream weights), and a random model's near-uniform predictions make agreement pessimistic.
 
-Writes ``<out>.json``, ``<out>.png`` and ``<out>.md`` (with the exact command) after every round,
-each atomically, so a stopped run leaves the rounds it finished.
+Writes ``<out>.json``, ``<out>.png`` and ``<out>.md`` (with the exact command and the timing protocol)
+after every round, each atomically, so a stopped run leaves the rounds it finished.
 
     PYTHONPATH=src python benchmarks/diffusion_bench.py                       # 1b, prompt 128
     PYTHONPATH=src python benchmarks/diffusion_bench.py --size 300m
@@ -43,7 +51,7 @@ import torch
 
 from river_hf.diffusion.cli import SMALL_BATCH_LINEAR
 from river_hf.eval.common import atomic_write
-from river_hf.timing import memory_bandwidth_gb_s
+from river_hf.timing import Measurement, compare, memory_bandwidth_gb_s
 
 DEFAULT_SETTINGS = "50,7,0.25;100,8,0.1;25,5,0.25"
 
@@ -77,21 +85,49 @@ def verdict(lo: float, hi: float, threshold: float) -> str:
     return "yes" if lo >= threshold else "no" if hi < threshold else "not resolved"
 
 
-def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args) -> list[dict]:
-    """Per-setting summary of the rounds so far (``runs[name]`` = one stats dict per round)."""
+TIMING_PROTOCOL = {
+    "timer": "river_hf.timing.compare",
+    "reference": "uncached",
+    "warmup": "one untimed short run of every setting first (two forwards over the full length, one block)",
+    "order": "rounds alternating forward / reversed order of the settings",
+    "unit": "one generate call; wall seconds of the denoising loop",
+    "statistic": "median and min-max over rounds; speedup = per-round uncached seconds / setting seconds",
+}
+
+
+def generated_tokens(args, steps: int) -> int:
+    """Answer tokens of the blocks a run of ``steps`` denoising steps covered (batch 1)."""
+    return steps * args.block_length // (args.steps * args.block_length // args.gen_length)
+
+
+def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args, comparison=None) -> list[dict]:
+    """Per-setting summary of the rounds so far (``runs[name]`` = one stats dict per round).
+
+    ``comparison``: the finished :class:`river_hf.timing.Comparison`, whose per-round speedups are
+    then the ones reported; before it exists (partial results) the same rule is applied here to
+    the rounds that every setting has finished."""
     p = args.prompt_length
     ref = outs["uncached"]
-    base = spread([r["seconds"] for r in runs["uncached"]])
+    rounds_done = min(len(r) for r in runs.values())
+    base_wall = [r["seconds"] for r in runs["uncached"][:rounds_done]]
     rows = []
     for name, rounds in runs.items():
+        rounds = rounds[:rounds_done]
         wall = [r["seconds"] for r in rounds]
         cpu = [r["cpu_seconds"] for r in rounds]
         w = spread(wall)
-        done = p + rounds[0]["steps"] * args.block_length // (args.steps * args.block_length // args.gen_length)
+        done = p + generated_tokens(args, rounds[0]["steps"])
         agreement = (outs[name][:, p:done] == ref[:, p:done]).float().mean().item()
-        speedup = base["median"] / w["median"]
-        speedup_range = None if name == "uncached" else [base["min"] / w["max"], base["max"] / w["min"]]
+        if comparison is not None:
+            sp = comparison.row(name)["speedup"]
+            ratios = list(sp["runs"])
+        else:
+            ratios = [b / c for b, c in zip(base_wall, wall)]
+        sp = spread(ratios)
+        speedup = sp["median"]
+        speedup_range = None if name == "uncached" else [sp["min"], sp["max"]]
         flops_ratio = rounds[0]["flops_ratio"]
+        model_ratio = rounds[0]["model_flops_ratio"]
         row = {
             "name": name,
             "cache": None if name == "uncached" else rounds[0]["cache"],
@@ -105,9 +141,15 @@ def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args) 
             "steps_per_s": rounds[0]["steps"] / w["median"],
             "speedup": speedup,
             "speedup_range": speedup_range,
+            "speedup_runs": ratios,
             "cpu_speedup": statistics.median(r["cpu_seconds"] for r in runs["uncached"]) / statistics.median(cpu),
             "flops_ratio": flops_ratio,
             "overhead_share": 1 - speedup / flops_ratio if flops_ratio else None,
+            "model_flops_ratio": model_ratio,
+            "model_overhead_share": 1 - speedup / model_ratio if model_ratio else None,
+            "layer_flops": rounds[0]["layer_flops"],
+            "head_flops": rounds[0]["head_flops"],
+            "model_flops": rounds[0]["model_flops"],
             "agreement": agreement,
             "same_tokens_every_round": all(torch.equal(r["tokens"], rounds[0]["tokens"]) for r in rounds),
         }
@@ -121,6 +163,7 @@ def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args) 
             row["faster_than_uncached"] = verdict(*speedup_range, 1.0)
             row["meets_target"] = verdict(*speedup_range, args.target)
             row["meets_flops_share"] = verdict(*speedup_range, args.flops_share * flops_ratio)
+            row["meets_model_flops_share"] = verdict(*speedup_range, args.flops_share * model_ratio)
         rows.append(row)
     return rows
 
@@ -139,14 +182,18 @@ def report_line(r: dict, target: float) -> str:
     def word(v):
         return "not resolved (spreads overlap)" if v == "not resolved" else v
 
-    return (f"{line}, speedup {r['speedup']:.2f}x [{lo:.2f}-{hi:.2f}], layer-FLOPs ratio {r['flops_ratio']:.2f}x, "
-            f"overhead share {r['overhead_share']:.2f}; faster than uncached: {word(r['faster_than_uncached'])}; "
-            f">= {target:g}x: {word(r['meets_target'])}; >= share of FLOPs ratio: {word(r['meets_flops_share'])}")
+    return (f"{line}, speedup {r['speedup']:.2f}x [{lo:.2f}-{hi:.2f}], whole-model FLOPs ratio "
+            f"{r['model_flops_ratio']:.2f}x (overhead share {r['model_overhead_share']:.2f}), layer-FLOPs ratio "
+            f"{r['flops_ratio']:.2f}x (overhead share {r['overhead_share']:.2f}); faster than uncached: "
+            f"{word(r['faster_than_uncached'])}; >= {target:g}x: {word(r['meets_target'])}; >= share of whole-model "
+            f"FLOPs ratio: {word(r['meets_model_flops_share'])}; >= share of layer-FLOPs ratio: "
+            f"{word(r['meets_flops_share'])}")
 
 
-def write_results(args, model, rows, info) -> None:
-    """Write <out>.json/.png/.md for the rounds finished so far."""
-    command = "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *sys.argv[1:]])
+def write_results(args, model, rows, info, timer: dict | None = None) -> None:
+    """Write <out>.json/.png/.md for the rounds finished so far (``timer``: the finished
+    comparison's ``to_dict()``, stored as it came)."""
+    command = "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in ["benchmarks/diffusion_bench.py", *args.argv])
     layout = "LLaDA-layout" if args.layout == "llada" else "Llama-layout (Dream-like)"
     rounds = min(r["repeats"] for r in rows)
     result = {
@@ -160,12 +207,15 @@ def write_results(args, model, rows, info) -> None:
                   "batch": 1, "temperature": 0.0, "remasking": "low_confidence", "threads": args.threads,
                   "small_batch_linear": args.small_batch_linear, "target": args.target, "flops_share": args.flops_share,
                   "order": "warm-up of every setting, then rounds alternating forward / reversed order",
+                  "timing_protocol": TIMING_PROTOCOL,
                   "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
                   "cpu_count": os.cpu_count(), "load_avg_at_end": os.getloadavg()},  # fmt: skip
         "rounds_done": rounds,
         "complete": rounds == args.repeats,
         "runs": rows,
     }
+    if timer is not None:
+        result["timer"] = timer
     atomic_write(args.out + ".json", json.dumps(result, indent=2, default=str) + "\n")
 
     import matplotlib
@@ -186,6 +236,7 @@ def write_results(args, model, rows, info) -> None:
     axes[1].bar(xs, [r["speedup"] for r in rows], yerr=[lo, hi], capsize=3, color="tab:green", alpha=0.7,
                 label="wall speedup (median, range)")  # fmt: skip
     axes[1].plot(xs, [r["flops_ratio"] for r in rows], "ko--", label="layer-FLOPs ratio")
+    axes[1].plot(xs, [r["model_flops_ratio"] for r in rows], "ms-", label="whole-model FLOPs ratio")
     axes[1].axhline(args.target, color="red", lw=0.8, ls=":", label=f"{args.target:g}x target")
     axes[1].set_ylabel("x vs uncached")
     axes[1].legend(fontsize=7)
@@ -218,30 +269,36 @@ def write_results(args, model, rows, info) -> None:
         + (f" (timed: the first {args.blocks} blocks, {rows[0]['steps']} steps)," if args.blocks else ",") +
         f" batch 1, greedy, low-confidence remasking, {args.dtype}, torch threads {args.threads}"
         f", SmallBatchLinear {args.small_batch_linear}. Warm-up of every setting, then {rounds}"
-        " rounds of all settings in alternating order (forward, reversed, ...).",
+        f" rounds of all settings in alternating order (forward, reversed, ...), timed by `{TIMING_PROTOCOL['timer']}`.",
         f"Shared {os.cpu_count()}-core machine (load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}).",
-        "Speedup range: min uncached / max cached .. max uncached / min cached; \"not resolved\" = the range"
-        " straddles the threshold. Overhead share = 1 - wall speedup / layer-FLOPs ratio.",
+        "Speedup: median [min-max] of the per-round ratios uncached seconds / setting seconds; \"not resolved\" ="
+        " the range straddles the threshold. FLOPs ratios (uncached / cached, counted): whole model = decoder layers"
+        " (projections + attention QK^T and AV) + the LM head at the positions it runs on, the bound wall time should"
+        " be held to; layer = decoder layers only. Overhead share = 1 - wall speedup / FLOPs ratio.",
         "",
         f"Steps/s next to the weight bytes they read (every step reads all weights but the embedding table:"
         f" {info['step_weight_bytes'] / 1e9:.2f} GB) as a share of this machine's measured read bandwidth"
         f" ({info['bandwidth_gb_s']:.1f} GB/s, `river_hf.timing.memory_bandwidth_gb_s`).",
         "",
-        "| run | wall s median [min-max] | speedup [range] | steps/s (weight GB/s, share) | CPU s median | layer-FLOPs ratio | overhead share |"
-        f" agreement | faster than uncached | >= {args.target:g}x | >= {args.flops_share:g} x FLOPs ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | wall s median [min-max] | speedup [range] | steps/s (weight GB/s, share) | CPU s median |"
+        " whole-model FLOPs ratio (overhead share) | layer-FLOPs ratio (overhead share) |"
+        f" agreement | faster than uncached | >= {args.target:g}x | >= {args.flops_share:g} x whole-model ratio |"
+        f" >= {args.flops_share:g} x layer ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s = r["seconds"]
         cached = r["name"] != "uncached"
-        overhead = f"{r['overhead_share']:.2f}" if cached else "-"
+        overhead = f" ({r['overhead_share']:.2f})" if cached else ""
+        model_overhead = f" ({r['model_overhead_share']:.2f})" if cached else ""
         speedup = f"{r['speedup']:.2f}x" + (f" [{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}]" if cached else "")
         lines.append(
             f"| {r['name']} | {s['median']:.4g} [{s['min']:.4g}-{s['max']:.4g}] | {speedup} | "
             f"{r['steps_per_s']:.3g} ({r['steps_per_s'] * info['step_weight_bytes'] / 1e9:.1f} GB/s, "
             f"{r['steps_per_s'] * info['step_weight_bytes'] / 1e9 / info['bandwidth_gb_s']:.0%}) | "
-            f"{r['cpu_seconds']['median']:.4g} | {r['flops_ratio']:.2f}x | {overhead} | {r['agreement']:.3f} | "
-            f"{r.get('faster_than_uncached', '-')} | {r.get('meets_target', '-')} | {r.get('meets_flops_share', '-')} |"
+            f"{r['cpu_seconds']['median']:.4g} | {r['model_flops_ratio']:.2f}x{model_overhead} | "
+            f"{r['flops_ratio']:.2f}x{overhead} | {r['agreement']:.3f} | {r.get('faster_than_uncached', '-')} | "
+            f"{r.get('meets_target', '-')} | {r.get('meets_model_flops_share', '-')} | {r.get('meets_flops_share', '-')} |"
         )
     kinds = ["full", "prompt", "response", "verify"]
     lines += [
@@ -294,6 +351,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None,
                     help="output path without extension (default docs/results/diffusion_<layout><size>[_p<P>]_cpu)")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the arguments this run was made with
     if args.repeats < 3:
         ap.error("--repeats must be >= 3 (a median and a spread need them)")
     if args.out is None:
@@ -327,25 +385,41 @@ def main(argv=None) -> int:
     print(f"model: {args.layout} {args.size}, {info['params'] / 1e9:.3f}e9 params, built in {info['build_seconds']:.0f} s",
           flush=True)  # fmt: skip
 
-    # warm-up: two forwards of every setting over the full length (a full refresh, then a partial step)
     blocks = args.gen_length // args.block_length
-    for cache in caches.values():
-        generate(model, prompt, cache=cache, steps=2 * blocks, gen_length=args.gen_length,
-                 block_length=args.block_length, max_blocks=1)  # fmt: skip
-
     runs: dict[str, list[dict]] = {name: [] for name in caches}
     outs: dict[str, torch.Tensor] = {}
-    for rnd in range(args.repeats):
-        order = list(caches) if rnd % 2 == 0 else list(caches)[::-1]
-        for name in order:
+    timed = {"round": None}  # set by the timer's on_round right before each timed call
+
+    def runner(name):
+        def run():
+            rnd, timed["round"] = timed["round"], None
+            if rnd is None:
+                # the timer's untimed warm-up call: two forwards over the full length (a full
+                # refresh, then a partial step), not a whole generation
+                generate(model, prompt, cache=caches[name], steps=2 * blocks, gen_length=args.gen_length,
+                         block_length=args.block_length, max_blocks=1)  # fmt: skip
+                return None
             c0 = time.process_time()
             res = generate(model, prompt, cache=caches[name], max_blocks=args.blocks, **kw)
             stats = {**res.stats, "cpu_seconds": time.process_time() - c0, "tokens": res.sequences}
             runs[name].append(stats)
             outs.setdefault(name, res.sequences)
             print(f"round {rnd + 1}/{args.repeats} {name}: {stats['seconds']:.2f} s", flush=True)
-        rows = summarize(runs, outs, args)
-        write_results(args, model, rows, info)
+            tokens = generated_tokens(args, stats["steps"])
+            return Measurement(new_tokens=tokens, seconds=stats["seconds"], ttft_s=0.0, decode_tokens=tokens,
+                               decode_s=stats["seconds"], decode_steps=stats["steps"],
+                               weight_bytes_per_step=info["step_weight_bytes"])  # fmt: skip
+        return run
+
+    def on_round(rnd, name):
+        timed["round"] = rnd
+        if rnd > 0 and all(len(r) == rnd for r in runs.values()):  # the first run of a round: the last one is done
+            write_results(args, model, summarize(runs, outs, args), info)
+
+    comparison = compare({name: runner(name) for name in caches}, reference="uncached", repeats=args.repeats,
+                         bandwidth=False, on_round=on_round)  # fmt: skip
+    rows = summarize(runs, outs, args, comparison)
+    write_results(args, model, rows, info, timer=comparison.to_dict())
     print("\n".join(report_line(r, args.target) for r in rows))
     print(f"wrote {args.out}.json/.png/.md", flush=True)
     return 0
