@@ -93,11 +93,34 @@ def test_tuner_measures_once_and_caches_per_machine(tmp_path):
     assert all(t > 0 for t in timings.values()) and kernel.name == min(timings, key=timings.get)
     assert tuner.measured == 1
     saved = json.loads(cache.read_text())
-    assert len(saved) == 1 and "128x64" in next(iter(saved))
+    assert saved["format"] == 2 and len(saved["entries"]) == 1
+    entry = next(iter(saved["entries"].values()))
+    assert entry["shape"] == "128x64" and entry["timings_us"] == timings and entry["kernel"] == kernel.name
     again = KernelTuner(cache, rounds=3, stream_bytes=1 << 20)
     assert again.choose(choice.candidates, linear)[0] == kernel and again.measured == 0
-    cache.write_text("not json")  # a damaged cache is measured again, not trusted
-    assert KernelTuner(cache, rounds=3, stream_bytes=1 << 20).choose(choice.candidates, linear)[0] in choice.candidates
+
+
+def test_damaged_cache_is_measured_again(tmp_path, monkeypatch):
+    """A cache that is not JSON is not trusted: the shape is measured (the timing function runs)
+    and the file then holds a valid entry with the new timings."""
+    cache = tmp_path / "kernels.json"
+    linear = nn.Linear(128, 64)
+    choice = get_backend("int8")
+    calls = []
+
+    def scripted(self, candidates, spec):
+        calls.append((spec.in_features, spec.out_features))
+        return {k.name: 10.0 + i for i, k in enumerate(candidates)}
+
+    monkeypatch.setattr(KernelTuner, "measure", scripted)
+    cache.write_text("not json")
+    tuner = KernelTuner(cache)
+    kernel, timings = tuner.choose(choice.candidates, linear)
+    assert calls == [(128, 64)] and tuner.measured == 1
+    assert kernel is choice.candidates[0] and timings == {"torch-int8": 10.0, "quanto-int8": 11.0}
+    saved = json.loads(cache.read_text())
+    assert saved["format"] == 2 and [e["timings_us"] for e in saved["entries"].values()] == [timings]
+    assert KernelTuner(cache).choose(choice.candidates, linear)[1] == timings and len(calls) == 1  # trusted now
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])

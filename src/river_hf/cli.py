@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "river_hf.pareto",
     "river_hf.stitch.cli",
     "river_hf.diffusion.cli",
+    "river_hf.quant.cli",
 )
 
 

@@ -13,15 +13,17 @@ from .kernels import (
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
     KernelChoice,
+    KernelPlan,
     WeightOnlyKernel,
     fast_kernel_fraction,
     get_backend,
     kernel_name,
     linear_weight_bytes,
+    shape_key,
 )
 
 __all__ = [
     "BACKENDS", "KERNELS", "CastLinear", "CastMemo", "Int4WeightOnlyLinear", "Int8WeightOnlyLinear", "KernelChoice",
-    "KernelTuner", "WeightOnlyKernel", "default_tuner", "fast_kernel_fraction", "get_backend", "kernel_name",
-    "last_level_cache_bytes", "linear_weight_bytes", "machine_id",
+    "KernelPlan", "KernelTuner", "WeightOnlyKernel", "default_tuner", "fast_kernel_fraction", "get_backend", "kernel_name",
+    "last_level_cache_bytes", "linear_weight_bytes", "machine_id", "shape_key",
 ]

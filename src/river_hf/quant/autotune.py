@@ -10,24 +10,62 @@ once and no Linear finds its weights in cache. Candidates alternate from round t
 median over rounds decides.
 
 Choices are cached per machine and shape in ``$RIVER_HF_CACHE/kernels.json`` (default
-``~/.cache/river_hf``), keyed by CPU model, torch version, thread count, shape, dtype and the
-candidate set, so a second build on the same machine measures nothing. The file is rewritten
-atomically (temp file + rename).
+``~/.cache/river_hf``), keyed by CPU model, torch version, thread count, shape, dtype, bias and the
+candidate set, so a second build on the same machine measures nothing. The file::
+
+    {"format": 2, "entries": {KEY: {"machine": ..., "shape": "896x4864", "dtype": "float32",
+        "bias": false, "candidates": ["quanto-int4", "torch-int4"],
+        "timings_us": {"torch-int4": 195.0, "quanto-int4": 216.0}, "kernel": "torch-int4",
+        "measured_at": 1764550000.0, "load_avg_1m": 0.4, "cpus": 2, "river_hf_version": "0.1.0"}}}
+
+``timings_us``: median µs per one-token call; ``measured_at``: Unix time; ``load_avg_1m``: the
+1-minute load average when the measurement started (None where the OS has none); ``cpus``: the
+cores this process may run on. An entry is **not trusted** and is measured again at its next use when:
+it does not parse (wrong types, a timing that is not a finite positive number, a kernel this
+river-hf does not know, fields that disagree with its key); it was written by another river-hf
+version (the kernels may have changed); or it was measured *under load* and the machine is quiet
+now. Under load means ``load_avg_1m > LOADED_LOAD_FACTOR x cpus`` (1.25: more runnable threads than
+cores, so the candidates were timed while competing for the CPU); such an entry is used as is
+while the machine stays loaded (measuring again then would be just as noisy) and replaced at the
+first build that finds ``load_avg_1m`` at or below the threshold. A file of an older format
+(no ``"format"``) is measured again entry by entry; a file of a newer format is read by nobody
+and left alone (nothing is written over it).
+
+Writes merge: under an exclusive ``fcntl`` lock on ``kernels.json.lock``, the file is read again,
+this tuner's new entries are put in, and the result is written to a temporary file renamed into
+place, so two processes measuring different shapes keep both entries (without ``fcntl``, on
+Windows, the merge runs unlocked). ``river-hf kernels --list`` shows the cache,
+``river-hf kernels --remeasure [SHAPE ...]`` drops or re-measures it (:mod:`.cli`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["KernelTuner", "machine_id", "last_level_cache_bytes"]
+try:  # POSIX
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: merges run unlocked
+    fcntl = None
+
+__all__ = ["KernelTuner", "LinearSpec", "machine_id", "last_level_cache_bytes", "load_average", "usable_cpus",
+           "FORMAT_VERSION", "LOADED_LOAD_FACTOR", "is_loaded", "read_cache", "entry_status", "update_cache"]
+
+#: version of the kernels.json layout written here (the module docstring); files without one are format 1
+FORMAT_VERSION = 2
+#: an entry was measured under load when its 1-minute load average exceeded this many times the cores
+LOADED_LOAD_FACTOR = 1.25
 
 
 def last_level_cache_bytes() -> int:
@@ -64,12 +102,203 @@ def machine_id(device: torch.device | str = "cpu") -> str:
     return f"{cpu}|{capability}|torch {torch.__version__}|{torch.get_num_threads()} threads"
 
 
+def usable_cpus() -> int:
+    """Cores this process may run on (its CPU affinity; ``os.cpu_count()`` where there is none)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (runnable threads, ``os.getloadavg()[0]``); None where the OS has none."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):  # pragma: no cover - Windows
+        return None
+
+
+def is_loaded(load: float | None, cpus: int) -> bool:
+    """``load > LOADED_LOAD_FACTOR x cpus`` (False when the load is unknown)."""
+    return load is not None and load > LOADED_LOAD_FACTOR * cpus
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearSpec:
+    """What a kernel timing depends on of a Linear: its shape, bias, dtype and device."""
+
+    in_features: int
+    out_features: int
+    bias: bool
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+
+    @classmethod
+    def of(cls, linear) -> LinearSpec:
+        """The spec of an ``nn.Linear`` (or a spec, returned as is)."""
+        if isinstance(linear, LinearSpec):
+            return linear
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
+                   linear.weight.device)
+
+    @property
+    def shape(self) -> str:
+        return f"{self.in_features}x{self.out_features}"
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def _key(machine: str, shape: str, dtype: str, bias: bool, candidates) -> str:
+    return "|".join([machine, shape, dtype, f"bias={bias}", ",".join(sorted(candidates))])
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _entry_problem(key: str, entry) -> str | None:
+    """Why a cache entry cannot be trusted as data (None: it is well formed)."""
+    from .kernels import KERNELS
+
+    if not isinstance(entry, dict):
+        return "not an object"
+    timings = entry.get("timings_us")
+    if not isinstance(timings, dict) or not timings:
+        return "no timings"
+    unknown = sorted(str(k) for k in timings if k not in KERNELS)
+    if unknown:
+        return f"unknown kernel(s) {', '.join(unknown)}"
+    bad = sorted(k for k, v in timings.items() if not (_number(v) and v > 0))
+    if bad:
+        return f"timing of {', '.join(bad)} is not a finite positive number"
+    for field, ok in (("machine", isinstance(entry.get("machine"), str)),
+                      ("shape", isinstance(entry.get("shape"), str)),
+                      ("dtype", isinstance(getattr(torch, str(entry.get("dtype")), None), torch.dtype)),
+                      ("bias", isinstance(entry.get("bias"), bool)),
+                      ("candidates", isinstance(entry.get("candidates"), list)),
+                      ("measured_at", _number(entry.get("measured_at"))),
+                      ("load_avg_1m", entry.get("load_avg_1m") is None or _number(entry.get("load_avg_1m"))),
+                      ("cpus", isinstance(entry.get("cpus"), int) and not isinstance(entry.get("cpus"), bool)
+                       and entry.get("cpus") >= 1),
+                      ("river_hf_version", isinstance(entry.get("river_hf_version"), str))):
+        if not ok:
+            return f"field {field!r} missing or of the wrong type"
+    if set(entry["candidates"]) != set(timings):
+        return "timings do not cover the candidates"
+    if key != _key(entry["machine"], entry["shape"], entry["dtype"], entry["bias"], entry["candidates"]):
+        return "fields disagree with the key"
+    return None
+
+
+def read_cache(path: str | Path) -> tuple[dict, dict, int | None]:
+    """Read a kernels.json: ``(valid entries, {key: why invalid}, format)``.
+
+    The format is None when the file is missing or not a JSON object (its content is then
+    ignored: measured again), 1 for the old layout (no ``"format"``; all its entries are invalid:
+    they lack the load and version fields), or the file's ``"format"`` number. A newer format than
+    :data:`FORMAT_VERSION` gives no entries (this river-hf does not read it).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}, {}, None
+    if not isinstance(data, dict):
+        return {}, {}, None
+    fmt = data.get("format", 1)
+    if not isinstance(fmt, int) or isinstance(fmt, bool):
+        return {}, {}, None
+    if fmt > FORMAT_VERSION:
+        return {}, {}, fmt
+    raw = data if fmt == 1 else data.get("entries")
+    if not isinstance(raw, dict):
+        return {}, {}, fmt
+    valid, invalid = {}, {}
+    for key, entry in raw.items():
+        why = "written by river-hf before the cache had a format version" if fmt == 1 else _entry_problem(key, entry)
+        if why is None:
+            valid[key] = entry
+        else:
+            invalid[key] = why
+    return valid, invalid, fmt
+
+
+def entry_status(entry: dict, now_load: float | None = None, cpus: int | None = None) -> str | None:
+    """Why a valid entry should be measured again now (None: use it).
+
+    ``"river-hf X"`` when another version wrote it; ``"measured under load ..."`` when it was
+    measured under load (:func:`is_loaded`) and ``now_load`` (default: the current load average)
+    is not. ``cpus``: default :func:`usable_cpus`.
+    """
+    from .. import __version__
+
+    if entry["river_hf_version"] != __version__:
+        return f"measured by river-hf {entry['river_hf_version']} (this is {__version__})"
+    if is_loaded(entry["load_avg_1m"], entry["cpus"]):
+        now_load = load_average() if now_load is None else now_load
+        if not is_loaded(now_load, usable_cpus() if cpus is None else cpus):
+            return (f"measured under load (1-min load average {entry['load_avg_1m']:.2f} on {entry['cpus']} "
+                    f"cores), the machine is quiet now")
+    return None
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive ``fcntl.flock`` on ``path`` + ``.lock`` for the block (none without fcntl)."""
+    if fcntl is None:  # pragma: no cover - Windows
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def update_cache(path: str | Path, updates: dict | None = None, remove=None) -> dict | None:
+    """Merge into the kernels.json at ``path``, under its lock: read it again, drop its invalid
+    entries and the keys ``remove`` names (an iterable of keys, or a callable ``(key, entry) ->
+    bool``), put ``updates`` (``{key: entry}``) in, and write it to a temporary file renamed into
+    place. Returns the entries now in the file, or None when the file has a newer format (it is
+    then left as it is).
+
+    Raises:
+        OSError: the folder cannot be created or written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        entries, _, fmt = read_cache(path)
+        if fmt is not None and fmt > FORMAT_VERSION:
+            return None
+        if callable(remove):
+            entries = {k: v for k, v in entries.items() if not remove(k, v)}
+        else:
+            for key in remove or ():
+                entries.pop(key, None)
+        entries.update(updates or {})
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": FORMAT_VERSION, "entries": entries}, f, indent=2)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return entries
+
+
 class KernelTuner:
     """Measures candidate kernels per Linear shape and remembers the winner.
 
     Args:
         cache_file: JSON file of earlier choices (None: ``$RIVER_HF_CACHE/kernels.json``;
-            ``False``: keep nothing on disk).
+            ``False``: keep nothing on disk). Its entries are checked and merged as the module
+            docstring says.
         rounds: timed rounds per candidate (median taken); one round calls every copy once.
         stream_bytes: weight bytes one round reads: each candidate is built that many times over
             (separate copies, called in turn) so its weights come from memory, not cache, as in a
@@ -78,6 +307,8 @@ class KernelTuner:
 
     Attributes:
         measured: how many shapes were measured (not found in the cache) by this tuner.
+        remeasured: ``{key: why}`` for the cached entries this tuner did not trust and measured again.
+        invalid: ``{key: why}`` for the entries of the file that were dropped when it was read.
     """
 
     def __init__(self, cache_file: str | Path | None | bool = None, *, rounds: int = 7, stream_bytes: int | None = None,
@@ -91,49 +322,64 @@ class KernelTuner:
         self.stream_bytes = stream_bytes or min(2 * last_level_cache_bytes(), 1 << 30)
         self.max_copies = max_copies
         self.measured = 0
-        self._choices = self._load()
+        self.remeasured: dict[str, str] = {}
+        self.invalid: dict[str, str] = {}
+        self._choices: dict[str, dict] = {}
+        if self.cache_file is not None:
+            self._choices, self.invalid, _ = read_cache(self.cache_file)
 
-    def _load(self) -> dict:
-        if self.cache_file is None or not self.cache_file.is_file():
-            return {}
-        try:
-            data = json.loads(self.cache_file.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}  # a damaged cache is measured again, not trusted
-
-    def _save(self) -> None:
+    def _save(self, key: str, entry: dict) -> None:
         if self.cache_file is None:
             return
-        from ..eval.common import write_json
-
         try:
-            write_json(self.cache_file, self._choices)
+            merged = update_cache(self.cache_file, {key: entry})
         except OSError:
-            pass  # a read-only cache folder only costs a measurement next time
+            return  # a read-only cache folder only costs a measurement next time
+        if merged is not None:
+            self._choices.update(merged)  # what other processes measured meanwhile
 
     def choose(self, candidates, linear: nn.Linear) -> tuple:
         """The fastest of ``candidates`` (:class:`~river_hf.quant.kernels.WeightOnlyKernel`) for
-        ``linear``'s shape and dtype; returns ``(kernel, {kernel name: µs per call})``."""
+        ``linear``'s shape and dtype; returns ``(kernel, {kernel name: µs per call})``. A cached
+        entry is used when it is valid and trusted (module docstring), else the shape is measured
+        and the entry replaced."""
         by_name = {k.name: k for k in candidates}
-        key = "|".join([machine_id(linear.weight.device), f"{linear.in_features}x{linear.out_features}",
-                        str(linear.weight.dtype).removeprefix("torch."), f"bias={linear.bias is not None}",
-                        ",".join(sorted(by_name))])
-        timings = self._choices.get(key)
-        if not timings or set(timings) != set(by_name):
-            timings = self.measure(candidates, linear)
-            self._choices[key] = timings
+        spec = LinearSpec.of(linear)
+        key = _key(machine_id(spec.device), spec.shape, spec.dtype_name, spec.bias, by_name)
+        entry = self._choices.get(key)
+        why = "not cached" if entry is None else _entry_problem(key, entry) or entry_status(entry)
+        if why is not None:
+            if entry is not None:
+                self.remeasured[key] = why
+            entry = self.measure_entry(candidates, spec)
+            self._choices[key] = entry
             self.measured += 1
-            self._save()
+            self._save(key, entry)
+        timings = entry["timings_us"]
         best = min(timings, key=timings.get)
         return by_name[best], dict(timings)
 
-    def measure(self, candidates, linear: nn.Linear) -> dict[str, float]:
-        """Median µs per one-token call of each candidate, weights streamed from memory, candidates
-        alternating from one round to the next."""
-        device, dtype = linear.weight.device, linear.weight.dtype
+    def measure_entry(self, candidates, linear) -> dict:
+        """Measure ``candidates`` on ``linear`` (an ``nn.Linear`` or :class:`LinearSpec`) and return
+        the cache entry (module docstring) for it, load average and version included."""
+        from .. import __version__
+
+        spec = LinearSpec.of(linear)
+        load, cpus = load_average(), usable_cpus()
+        timings = self.measure(candidates, spec)
+        return {"machine": machine_id(spec.device), "shape": spec.shape, "dtype": spec.dtype_name, "bias": spec.bias,
+                "candidates": sorted(k.name for k in candidates), "timings_us": timings,
+                "kernel": min(timings, key=timings.get), "measured_at": time.time(), "load_avg_1m": load,
+                "cpus": cpus, "river_hf_version": __version__}
+
+    def measure(self, candidates, linear) -> dict[str, float]:
+        """Median µs per one-token call of each candidate on ``linear`` (an ``nn.Linear`` or
+        :class:`LinearSpec`: only its shape, bias, dtype and device matter), weights streamed from
+        memory, candidates alternating from one round to the next."""
+        spec = LinearSpec.of(linear)
+        device, dtype = spec.device, spec.dtype
         gen = torch.Generator(device="cpu").manual_seed(0)
-        probe = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        probe = nn.Linear(spec.in_features, spec.out_features, bias=spec.bias, device="meta")
         probe = probe.to_empty(device=device).to(dtype)
         with torch.no_grad():
             probe.weight.copy_(torch.randn(probe.weight.shape, generator=gen).to(dtype) * 0.02)
@@ -141,7 +387,7 @@ class KernelTuner:
                 probe.bias.zero_()
             built = [(k.name, self._copies(k, probe)) for k in candidates]
         del probe
-        x = torch.randn(1, 1, linear.in_features, generator=gen).to(device=device, dtype=dtype)
+        x = torch.randn(1, 1, spec.in_features, generator=gen).to(device=device, dtype=dtype)
         times: dict[str, list[float]] = {name: [] for name, _ in built}
         with torch.no_grad():
             for _, copies in built:  # warm-up: first-call allocations, lazy packing

@@ -33,12 +33,21 @@ Kernel *choices* (what ``RiverConfig.backend`` / ``exit_head`` name, see :func:`
         other, reported per Linear), so speed alone picks among them.
     any kernel name above: that kernel for every Linear (``quanto`` is kept as a name for
     ``quanto-int4``).
+
+A measured choice is a property of the machine, and kernels of one width still differ in their
+numerics (different rounding, scale dtypes, accumulation order), so the tokens depend on it.
+:class:`KernelPlan` therefore records the kernel each measured shape got while a model is built
+(keys from :func:`shape_key`, e.g. ``"int4:896x4864"``); ``enable_river`` stores that record in
+``RiverConfig.kernel_choice``, a saved River folder carries it, and a later load reuses it where
+that kernel exists on the machine (warning once, naming the shapes, where it cannot).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
+import warnings
 
 import torch
 from torch import nn
@@ -58,6 +67,8 @@ __all__ = [
     "linear_weight_bytes",
     "kernel_name",
     "relative_error",
+    "KernelPlan",
+    "shape_key",
 ]
 
 
@@ -223,6 +234,19 @@ class WeightOnlyKernel:
             return linear.in_features % 4 == 0
         return True
 
+    def available(self, device: torch.device | str = "cpu") -> bool:
+        """Whether this machine has what the kernel runs on: torch's op for ``device``
+        (``_weight_int4pack_mm_for_cpu`` / ``_weight_int4pack_mm`` / ``_weight_int8pack_mm``), or
+        optimum-quanto for the quanto kernels. ``copy`` is always available."""
+        cpu = torch.device(device).type == "cpu"
+        if self.name.startswith("torch-int4"):
+            return hasattr(torch, "_weight_int4pack_mm_for_cpu" if cpu else "_weight_int4pack_mm")
+        if self.name == "torch-int8":
+            return hasattr(torch, "_weight_int8pack_mm")
+        if self.name.startswith("quanto"):
+            return importlib.util.find_spec("optimum.quanto") is not None
+        return True
+
     def build(self, linear: nn.Linear, memo: CastMemo | None = None) -> nn.Module:
         """Return the cheap copy of ``linear`` (``linear`` itself is not modified).
 
@@ -322,11 +346,105 @@ class KernelChoice:
             row["us_per_call"] = timings
         return new, row
 
+    @property
+    def measured(self) -> bool:
+        """Whether this choice picks among several kernels (by measurement): its pick is then a
+        property of the machine, recorded by :class:`KernelPlan`."""
+        return len(self.candidates) > 1
+
+    def usable(self, linear: nn.Linear) -> list[WeightOnlyKernel]:
+        """The candidates with a real implementation for ``linear``'s shape on this machine (the
+        last candidate when none has)."""
+        device = linear.weight.device
+        return ([k for k in self.candidates if k.supports(linear) and k.available(device)]
+                or list(self.candidates[-1:]))
+
     def pick(self, linear: nn.Linear, tuner=None) -> tuple[WeightOnlyKernel, dict]:
-        candidates = [k for k in self.candidates if k.supports(linear)] or list(self.candidates[-1:])
+        """The kernel for ``linear`` and the candidates' timings (µs per call; empty when nothing
+        was measured). ``tuner``: a :class:`~river_hf.quant.autotune.KernelTuner`, a
+        :class:`KernelPlan` (saved choices first), or None (the first usable candidate)."""
+        if isinstance(tuner, KernelPlan):
+            return tuner.pick(self, linear)
+        candidates = self.usable(linear)
         if len(candidates) == 1 or tuner is None:
             return candidates[0], {}
         return tuner.choose(candidates, linear)
+
+
+def _why_not(choice: KernelChoice, name: str, linear: nn.Linear) -> str:
+    """Why the saved kernel ``name`` cannot serve ``linear`` under ``choice`` (for the warning)."""
+    if name not in {k.name for k in choice.candidates}:
+        return f"not a {choice.name} kernel of this river-hf"
+    if not KERNELS[name].available(linear.weight.device):
+        return "not available on this machine"
+    return "cannot pack this shape"
+
+
+def shape_key(choice: str, linear: nn.Linear) -> str:
+    """The key of ``RiverConfig.kernel_choice`` for ``linear`` under the kernel choice ``choice``:
+    ``"<choice>:<in>x<out>"``, with ``"+bias"`` for a Linear with a bias (a biased and an unbiased
+    Linear of one shape are timed apart), e.g. ``"int4:896x4864"``, ``"int4:896x896+bias"``."""
+    return f"{choice}:{linear.in_features}x{linear.out_features}" + ("+bias" if linear.bias is not None else "")
+
+
+class KernelPlan:
+    """The kernels one model build gives its measured choices (``int4``/``int8``), per shape.
+
+    A shape with a saved choice (``saved``, what ``RiverConfig.kernel_choice`` holds, keys from
+    :func:`shape_key`) gets that kernel whenever it is one of the choice's candidates and usable
+    here (:meth:`WeightOnlyKernel.supports` and :meth:`~WeightOnlyKernel.available`); nothing is
+    measured then. Any other shape is measured by ``tuner`` (None: the first usable candidate).
+    :attr:`chosen` records every measured choice's kernel per shape (what a saved folder stores);
+    :meth:`warn_if_differs` warns once about saved choices that could not be honoured.
+
+    Args:
+        tuner: a :class:`~river_hf.quant.autotune.KernelTuner` or None.
+        saved: ``{shape key: kernel name}`` from a saved River folder, or None.
+
+    Attributes:
+        chosen: ``{shape key: kernel name}`` of this build's measured choices.
+        differs: ``{shape key: (saved kernel, kernel used, why)}`` for saved choices not reused.
+    """
+
+    def __init__(self, tuner=None, saved: dict | None = None):
+        self.tuner = tuner or None
+        self.saved = dict(saved or {})
+        self.chosen: dict[str, str] = {}
+        self.differs: dict[str, tuple[str, str, str]] = {}
+
+    def pick(self, choice: KernelChoice, linear: nn.Linear) -> tuple[WeightOnlyKernel, dict]:
+        """The kernel ``choice`` gives ``linear`` (see the class docstring) and the timings (µs per
+        call) when it was measured."""
+        candidates = choice.usable(linear)
+        if not choice.measured:
+            return candidates[0], {}
+        key = shape_key(choice.name, linear)
+        want = self.saved.get(key)
+        timings: dict = {}
+        kernel = next((k for k in candidates if k.name == want), None)
+        if kernel is None:
+            if len(candidates) == 1 or self.tuner is None:
+                kernel = candidates[0]
+            else:
+                kernel, timings = self.tuner.choose(candidates, linear)
+            if want is not None and kernel.name != want:
+                self.differs[key] = (want, kernel.name, _why_not(choice, want, linear))
+        self.chosen[key] = kernel.name
+        return kernel, timings
+
+    def warn_if_differs(self, stacklevel: int = 2) -> None:
+        """One ``UserWarning`` naming every shape whose saved kernel could not be reused (the exit
+        layers then compute slightly different numbers than the saved model's); nothing when all
+        saved choices were honoured. ``stacklevel`` as for ``warnings.warn``."""
+        if not self.differs:
+            return
+        shapes = "; ".join(f"{key}: saved {want} ({why}), using {used}"
+                           for key, (want, used, why) in sorted(self.differs.items()))
+        warnings.warn(
+            f"the saved kernel choice could not be reused for {len(self.differs)} shape(s) ({shapes}): these exit "
+            "Linears run another kernel of the same width, so outputs may differ slightly from the saved model's "
+            "(install the missing kernel's package, or save the folder again on this machine)",
+            UserWarning, stacklevel=stacklevel + 1)
 
 
 #: the fixed-kernel names, and the two measured choices. ``quanto`` is the old name of ``quanto-int4``.

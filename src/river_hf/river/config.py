@@ -107,6 +107,12 @@ class RiverConfig:
             copy of the backbone's Linear weights), ``onednn`` or ``torch``.
         offload_from: first backbone layer kept off the compute device (None: no offload).
         offload_dir: folder for disk offload on CPU-only machines (None: a temporary folder).
+        kernel_choice: the kernel each Linear shape of a measured choice (``int4`` / ``int8``) got,
+            ``{"<choice>:<in>x<out>[+bias]": kernel name}`` (e.g. ``{"int4:896x4864": "torch-int4"}``,
+            :func:`river_hf.quant.shape_key`). ``enable_river`` fills it with what it built, so a
+            saved River folder records it; a build given it reuses each kernel that exists on the
+            machine instead of measuring (and warns once, naming the shapes, where one does not).
+            None: every measured shape is measured (or taken from ``kernels.json``).
 
     Raises (at construction):
         RiverError: τ not a number, ``min_layer`` < 1, unknown backend, prefill policy, strategy,
@@ -127,6 +133,7 @@ class RiverConfig:
     verify_kernel: str = "auto"
     offload_from: int | None = None
     offload_dir: str | None = None
+    kernel_choice: dict[str, str] | None = None
 
     def __post_init__(self):
         self.tau = check_tau(self.tau)
@@ -155,6 +162,11 @@ class RiverConfig:
             raise RiverError(f"verify_kernel must be one of {', '.join(VERIFY_KERNELS)}, got {self.verify_kernel!r}")
         if self.offload_from is not None and (not isinstance(self.offload_from, int) or self.offload_from < 0):
             raise RiverError(f"offload_from must be a layer index >= 0 or None, got {self.offload_from!r}")
+        if self.kernel_choice is not None and not (
+                isinstance(self.kernel_choice, dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in self.kernel_choice.items())):
+            raise RiverError(f"kernel_choice must map shape keys to kernel names (e.g. {{\"int4:896x4864\": "
+                             f"\"torch-int4\"}}) or be null, got {self.kernel_choice!r}")
         if self.rules is not None:
             try:
                 rules_from_config(self.rules)

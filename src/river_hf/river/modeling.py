@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from ..errors import RiverError
 from ..models import is_key, resolve
-from ..quant import default_tuner, get_backend, linear_weight_bytes
+from ..quant import KernelPlan, default_tuner, get_backend, linear_weight_bytes
 from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_class, mix_in
 from .cache import RiverCache
 from .config import CONFIG_DIR, RiverConfig, check_tau, default_config, warn_if_negative_tau
@@ -665,8 +665,14 @@ def enable_river(
 
     Returns:
         The same model object, whose class now has :class:`RiverForCausalLM` in front.
-        ``model.river_kernels()`` tells which kernel each exit Linear (and the exit head) got.
+        ``model.river_kernels()`` tells which kernel each exit Linear (and the exit head) got;
+        ``model.river_config.kernel_choice`` records the measured choices' kernels per shape (a
+        ``config.kernel_choice`` given, e.g. by a saved folder, is reused instead of measuring).
         :func:`disable_river` undoes it.
+
+    Warns:
+        UserWarning: once, naming the shapes, when a given ``kernel_choice`` kernel is not
+            available here (another kernel of the same width is used).
 
     Raises:
         RiverError: River already enabled, unsupported architecture, invalid settings,
@@ -686,9 +692,12 @@ def enable_river(
         router.mode = LOSSLESS
     report: list[dict] = []
     start = time.perf_counter()
-    backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, tuner or None, report, progress)
-    head_bytes, exit_head_bytes = _wrap_head(model, router, config, tuner or None, report)
+    plan = KernelPlan(tuner or None, config.kernel_choice)  # a saved folder's kernels first, then measured
+    backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, plan, report, progress)
+    head_bytes, exit_head_bytes = _wrap_head(model, router, config, plan, report)
     build_seconds = time.perf_counter() - start
+    plan.warn_if_differs(stacklevel=2)  # the caller of enable_river
+    config = dataclasses.replace(config, kernel_choice=plan.chosen or None)  # saved with the folder
     if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
         offload_backbone(layers, config.offload_from, config.offload_dir)
     hooks = _register_router_hooks(stack, router) + _register_verify_hooks(model, router)

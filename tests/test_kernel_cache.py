@@ -1,0 +1,320 @@
+"""The measured kernel choice: saved with a River folder and reused at load, and the kernels.json
+cache (validation, merged locked writes, loaded-machine entries, ``river-hf kernels``).
+
+Timings are scripted (``KernelTuner.measure`` replaced), so nothing here depends on this
+machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from river_hf import RiverForCausalLM, enable_river
+from river_hf.cli import main
+from river_hf.quant import KernelTuner, WeightOnlyKernel, autotune, get_backend, machine_id
+from river_hf.quant.autotune import FORMAT_VERSION, read_cache, update_cache
+
+INT4 = get_backend("int4").candidates  # torch-int4, quanto-int4
+
+
+class Script:
+    """A stand-in for ``KernelTuner.measure``: fixed µs per kernel, calls counted."""
+
+    def __init__(self, **us):
+        self.us = {k.replace("_", "-"): v for k, v in us.items()}
+        self.calls = []
+
+    def __call__(self, tuner, candidates, linear):
+        spec = autotune.LinearSpec.of(linear)
+        self.calls.append(spec.shape)
+        return {k.name: self.us.get(k.name, 100.0) for k in candidates}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A private cache folder, measurement on (conftest turns it off for the other tests)."""
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RIVER_HF_AUTOTUNE", "1")
+    monkeypatch.setattr(autotune, "load_average", lambda: 0.1)
+    return tmp_path / "cache" / "kernels.json"
+
+
+def script(monkeypatch, **us) -> Script:
+    s = Script(**us)
+    monkeypatch.setattr(KernelTuner, "measure", lambda tuner, candidates, linear: s(tuner, candidates, linear))
+    return s
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def exit_logits(model) -> torch.Tensor:
+    ids = torch.arange(3, 15)[None]
+    with torch.no_grad(), model.river_mode("exit"):
+        return model(input_ids=ids).logits
+
+
+def kernels_used(model) -> set[str]:
+    return {k["kernel"] for k in model.river_kernels()}
+
+
+# -- 1. the saved kernel choice -------------------------------------------------------------------
+
+
+def test_saved_folder_keeps_its_kernels_where_this_machine_would_measure_others(tmp_path, cache, monkeypatch):
+    first = script(monkeypatch, quanto_int4=50.0, torch_int4=90.0)  # the saving machine: quanto is faster
+    model = enable_river(tiny_llama(), tau=0.9, backend="int4", exit_head="int4", progress=False)
+    assert first.calls and kernels_used(model) == {"quanto-int4"}
+    choice = model.river_config.kernel_choice
+    assert choice == {"int4:128x128": "quanto-int4", "int4:128x64": "quanto-int4", "int4:128x256": "quanto-int4",
+                      "int4:256x128": "quanto-int4"}
+    reference = exit_logits(model)
+    folder = tmp_path / "river-folder"
+    model.save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["river"]["kernel_choice"] == choice
+
+    # another machine (its own kernels.json) where torch-int4 measures faster
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "other-machine"))
+    second = script(monkeypatch, quanto_int4=90.0, torch_int4=50.0)
+    fresh = enable_river(tiny_llama(), tau=0.9, backend="int4", exit_head="int4", progress=False)
+    assert kernels_used(fresh) == {"torch-int4"}  # a fresh build still measures
+    second.calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: every saved kernel exists here
+        loaded = RiverForCausalLM.from_pretrained(str(folder), progress=False)
+    assert second.calls == []  # nothing measured: the saved choice decided
+    assert kernels_used(loaded) == {"quanto-int4"} and loaded.river_config.kernel_choice == choice
+    assert torch.equal(exit_logits(loaded), reference)  # the same model as the one saved
+
+
+def test_saved_kernel_missing_here_warns_once_and_falls_back(tmp_path, cache, monkeypatch):
+    script(monkeypatch, quanto_int4=50.0, torch_int4=90.0)
+    model = enable_river(tiny_llama(), tau=0.9, backend="int4", exit_head="int4", progress=False)
+    folder = tmp_path / "river-folder"
+    model.save_pretrained(folder)
+
+    available = WeightOnlyKernel.available
+    monkeypatch.setattr(WeightOnlyKernel, "available",
+                        lambda self, device="cpu": self.name != "quanto-int4" and available(self, device))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = RiverForCausalLM.from_pretrained(str(folder), progress=False)
+    ours = [w for w in caught if "saved kernel choice" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    text = str(ours[0].message)
+    for shape in ("int4:128x128", "int4:128x64", "int4:128x256", "int4:256x128"):
+        assert shape in text
+    assert "not available on this machine" in text and "using torch-int4" in text
+    assert kernels_used(loaded) == {"torch-int4"}
+    assert set(loaded.river_config.kernel_choice.values()) == {"torch-int4"}  # what it really runs now
+
+
+def test_kernel_choice_is_checked():
+    from river_hf import RiverConfig, RiverError
+
+    assert RiverConfig(kernel_choice={"int4:896x4864": "torch-int4"}).to_dict()["kernel_choice"] == {
+        "int4:896x4864": "torch-int4"}
+    with pytest.raises(RiverError, match="kernel_choice"):
+        RiverConfig(kernel_choice={"int4:896x4864": 3})
+    with pytest.raises(RiverError, match="kernel_choice"):
+        RiverConfig(kernel_choice=["torch-int4"])
+
+
+# -- 2. kernels.json ------------------------------------------------------------------------------
+
+
+def key_of(linear: nn.Linear, candidates=INT4) -> str:
+    spec = autotune.LinearSpec.of(linear)
+    return autotune._key(machine_id(), spec.shape, spec.dtype_name, spec.bias, [k.name for k in candidates])
+
+
+def good_entry(linear: nn.Linear, **overrides) -> dict:
+    from river_hf import __version__
+
+    spec = autotune.LinearSpec.of(linear)
+    entry = {"machine": machine_id(), "shape": spec.shape, "dtype": spec.dtype_name, "bias": spec.bias,
+             "candidates": sorted(k.name for k in INT4), "timings_us": {"torch-int4": 10.0, "quanto-int4": 20.0},
+             "kernel": "torch-int4", "measured_at": 1.7e9, "load_avg_1m": 0.2, "cpus": 2, "river_hf_version": __version__}
+    entry.update(overrides)
+    return entry
+
+
+@pytest.mark.parametrize("damage", [
+    {"timings_us": {"torch-int4": float("nan"), "quanto-int4": 20.0}},
+    {"timings_us": {"torch-int4": "fast", "quanto-int4": 20.0}},
+    {"timings_us": {"torch-int4": -5.0, "quanto-int4": 20.0}},
+    {"timings_us": {"torch-int4": True, "quanto-int4": 20.0}},
+    {"timings_us": {"torch-int4": 10.0, "quanto-int4": 20.0, "warp-int4": 1.0}},
+    {"timings_us": {"torch-int4": 10.0}},
+    {"measured_at": "yesterday"},
+    {"cpus": 0},
+    {"dtype": "no-such-dtype"},
+    {"shape": "1x1"},
+])
+def test_invalid_entries_are_dropped_and_measured_again(tmp_path, monkeypatch, damage):
+    linear = nn.Linear(128, 64)
+    path = tmp_path / "kernels.json"
+    key = key_of(linear)
+    path.write_text(json.dumps({"format": FORMAT_VERSION, "entries": {key: good_entry(linear, **damage)}}))
+    s = script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    tuner = KernelTuner(path)
+    assert key in tuner.invalid
+    kernel, timings = tuner.choose(INT4, linear)
+    assert s.calls == ["128x64"] and kernel.name == "torch-int4" and timings == {"torch-int4": 30.0, "quanto-int4": 40.0}
+    entries, invalid, _ = read_cache(path)
+    assert invalid == {} and entries[key]["timings_us"] == timings  # the file now holds the new, valid entry
+
+
+def test_old_flat_cache_with_nan_timings_is_measured_again(tmp_path, monkeypatch):
+    """The layout before format 2 (``{key: timings}``): a NaN there used to decide by chance."""
+    linear = nn.Linear(128, 64)
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps({key_of(linear): {"torch-int4": math.nan, "quanto-int4": 20.0}}))
+    s = script(monkeypatch, torch_int4=30.0, quanto_int4=10.0)
+    assert KernelTuner(path).choose(INT4, linear)[0].name == "quanto-int4"
+    assert s.calls == ["128x64"]
+    assert json.loads(path.read_text())["format"] == FORMAT_VERSION
+
+
+def test_entry_of_another_version_is_measured_again(tmp_path, monkeypatch):
+    linear = nn.Linear(128, 64)
+    path = tmp_path / "kernels.json"
+    key = key_of(linear)
+    update_cache(path, {key: good_entry(linear, river_hf_version="0.0.1")})
+    s = script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    tuner = KernelTuner(path)
+    tuner.choose(INT4, linear)
+    assert s.calls == ["128x64"] and "0.0.1" in tuner.remeasured[key]
+
+
+def test_entries_measured_under_load_are_measured_again_once_the_machine_is_quiet(tmp_path, monkeypatch):
+    linear = nn.Linear(128, 64)
+    path = tmp_path / "kernels.json"
+    monkeypatch.setattr(autotune, "usable_cpus", lambda: 2)
+    load = {"now": 6.0}  # 3 runnable threads per core: loaded (LOADED_LOAD_FACTOR 1.25)
+    monkeypatch.setattr(autotune, "load_average", lambda: load["now"])
+    s = script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    KernelTuner(path).choose(INT4, linear)
+    entry = read_cache(path)[0][key_of(linear)]
+    assert entry["load_avg_1m"] == 6.0 and entry["cpus"] == 2 and s.calls == ["128x64"]
+
+    KernelTuner(path).choose(INT4, linear)  # still loaded: measuring now would be as noisy; the entry serves
+    assert s.calls == ["128x64"]
+
+    load["now"] = 2.4  # at or below 1.25 x 2 cores: quiet
+    s.us = {"torch-int4": 50.0, "quanto-int4": 20.0}
+    tuner = KernelTuner(path)
+    assert tuner.choose(INT4, linear)[0].name == "quanto-int4"
+    assert s.calls == ["128x64", "128x64"] and "under load" in tuner.remeasured[key_of(linear)]
+    assert read_cache(path)[0][key_of(linear)]["load_avg_1m"] == 2.4
+
+    KernelTuner(path).choose(INT4, linear)  # a quiet measurement is trusted
+    assert len(s.calls) == 2
+
+
+def test_concurrent_writers_keep_every_entry(tmp_path, monkeypatch):
+    path = tmp_path / "kernels.json"
+    script(monkeypatch)
+    shapes = [nn.Linear(32 * (i + 1), 64) for i in range(8)]
+    tuners = [KernelTuner(path) for _ in shapes]  # all read the (empty) file before anyone writes
+    start = threading.Barrier(len(shapes))
+
+    def work(tuner, linear):
+        start.wait()
+        tuner.choose(INT4, linear)
+
+    threads = [threading.Thread(target=work, args=pair) for pair in zip(tuners, shapes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    entries, invalid, fmt = read_cache(path)
+    assert fmt == FORMAT_VERSION and invalid == {}
+    assert sorted(e["shape"] for e in entries.values()) == sorted(f"{m.in_features}x64" for m in shapes)
+    # and a writer that started before the others finished sees their entries afterwards
+    assert len(tuners[0]._choices) >= 1
+
+
+def test_a_newer_format_is_left_alone(tmp_path, monkeypatch):
+    path = tmp_path / "kernels.json"
+    newer = json.dumps({"format": FORMAT_VERSION + 1, "entries": {"x": 1}})
+    path.write_text(newer)
+    script(monkeypatch)
+    KernelTuner(path).choose(INT4, nn.Linear(128, 64))
+    assert path.read_text() == newer
+
+
+# -- the CLI ----------------------------------------------------------------------------------------
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["kernels", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_lists_and_remeasures(cache, monkeypatch, capsys):
+    s = script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    tuner = KernelTuner()
+    tuner.choose(INT4, nn.Linear(128, 64))
+    tuner.choose(INT4, nn.Linear(256, 128, bias=False))
+    data = json.loads(cache.read_text())
+    data["entries"]["bad"] = {"timings_us": {"torch-int4": "x"}}
+    cache.write_text(json.dumps(data))
+
+    code, out, _ = run_cli(capsys, "--list", "--json")
+    listing = json.loads(out)
+    assert code == 0 and listing["file"] == str(cache) and "bad" in listing["invalid"]
+    rows = {r["shape"]: r for r in listing["entries"]}
+    assert set(rows) == {"128x64", "256x128"}
+    assert rows["128x64"]["kernel"] == "torch-int4" and rows["128x64"]["timings_us"] == {"torch-int4": 30.0,
+                                                                                          "quanto-int4": 40.0}
+    assert rows["128x64"]["load_avg_1m"] == 0.1 and rows["128x64"]["status"] == "ok" and rows["128x64"]["measured_at"]
+    code, out, _ = run_cli(capsys)  # the table
+    assert code == 0 and "128x64" in out and "torch-int4 30.0" in out and "load 0.10/" in out and "1 invalid" in out
+
+    s.us = {"torch-int4": 60.0, "quanto-int4": 40.0}
+    code, out, _ = run_cli(capsys, "--remeasure", "128X64")
+    assert code == 0 and "128x64" in out and "quanto-int4" in out and s.calls[-1] == "128x64"
+    entries = read_cache(cache)[0]
+    by_shape = {e["shape"]: e for e in entries.values()}
+    assert by_shape["128x64"]["timings_us"] == {"torch-int4": 60.0, "quanto-int4": 40.0}
+    assert by_shape["256x128"]["timings_us"] == {"torch-int4": 30.0, "quanto-int4": 40.0}  # untouched
+
+    code, out, _ = run_cli(capsys, "--remeasure")
+    assert code == 0 and "dropped 2" in out and read_cache(cache)[0] == {}  # (the invalid one went at the last write)
+    calls = len(s.calls)
+    KernelTuner().choose(INT4, nn.Linear(128, 64))
+    assert len(s.calls) == calls + 1  # the next build measures
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--remeasure", "896by4864"], "is not IN x OUT"),
+    (["--remeasure", "0x5"], "is not IN x OUT"),
+    (["--remeasure", "896x4864"], "no cached timings for 896x4864 on this machine"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(cache, capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("river-hf: error: ") and message in err
+
+
+def test_cli_list_and_remeasure_exclude_each_other(cache, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["kernels", "--list", "--remeasure"])
+    assert e.value.code == 2 and "not allowed" in capsys.readouterr().err
+
