@@ -30,7 +30,10 @@ def test_generate_json_with_compare(smollm2_path):
     rows = {r["label"]: r for r in out["comparison"]["rows"]}
     assert rows["River"]["new_tokens"] == rows["unmodified"]["new_tokens"] == out["timed_new_tokens"]
     assert out["comparison"]["bandwidth_limit_gb_s"] > 0
-    assert out["exit_fraction"] == out["stats"]["exit_fraction"]  # River's own answer, not a timed backbone run
+    # The statistics are River's own answer's, not those of the unmodified answer or a timed run after it.
+    assert out["stats"]["mode"] == "route" and out["baseline"]["stats"]["mode"] == "backbone"
+    assert out["stats"]["new_tokens"] == out["new_tokens"] and out["exit_fraction"] == 0.0  # τ > 1 never exits
+    assert "--compare: timing River and the unmodified model" in res.stderr  # progress on stderr, JSON on stdout
 
 
 @pytest.mark.real_model
@@ -95,3 +98,116 @@ def test_package_imports_lazily_and_exposes_subpackages():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+# -- one check for generate, convert and from_pretrained (issue 21) ---------------------------------
+
+
+def _tiny_model_folder(folder, tokenizer: bool = True, context: int = 128):
+    """A tiny random Llama (4 layers) saved as a plain folder, with a word-level tokenizer unless told not to."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    if tokenizer:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 64)}}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+    return folder
+
+
+def _broken_folder(tmp_path, kind: str):
+    folder = _tiny_model_folder(tmp_path / kind, tokenizer=kind != "no-tokenizer")
+    if kind == "bad-json":
+        (folder / "config.json").write_text("{not json")
+    elif kind == "unknown-type":
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["model_type"] = "no_such_type"
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("kind, message", [("bad-json", "cannot read the model config"),
+                                           ("unknown-type", "cannot read the model config"),
+                                           ("no-tokenizer", "holds no tokenizer")])
+def test_generate_and_convert_refuse_a_broken_folder_with_one_line(tmp_path, capsys, kind, message):
+    from river_hf.cli import main
+
+    folder = str(_broken_folder(tmp_path, kind))
+    capsys.readouterr()
+    for argv in (["generate", "hi", "--model", folder, "--max-new-tokens", "2", "--no-progress"],
+                 ["convert", folder, str(tmp_path / "out")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("river-hf: error:") and err.count("\n") == 1 and message in err, (argv, err)
+    assert not (tmp_path / "out").exists()
+    from river_hf import RiverError
+    from river_hf.river.cli import check_model
+
+    with pytest.raises(RiverError, match=message):  # the one shared check, as a function
+        check_model(folder)
+    if kind != "no-tokenizer":  # from_pretrained needs no tokenizer; its config error is the same one
+        from river_hf import RiverForCausalLM
+
+        with pytest.raises(RiverError, match=message):
+            RiverForCausalLM.from_pretrained(folder, progress=False)
+
+
+def _enospc_safetensors(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                          'message: "No space left on device" })')
+
+
+def _enospc_os(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("writer", [_enospc_safetensors, _enospc_os])
+def test_convert_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, writer):
+    import transformers.modeling_utils as mu
+
+    from river_hf.cli import main
+
+    src = _tiny_model_folder(tmp_path / "src")
+    (tmp_path / "outs").mkdir()
+    monkeypatch.setattr(mu, "safe_save_file", writer)
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "outs" / "river"), "--backend", "copy"]) == 2
+    err = capsys.readouterr().err  # the load's and the save's progress bars, then the error
+    lines = [line for line in err.splitlines() if "error" in line.lower()]
+    assert lines == [err.strip().splitlines()[-1]] and lines[0].startswith("river-hf: error:"), err
+    assert "no space left" in lines[0] and "Traceback" not in err
+    assert list((tmp_path / "outs").iterdir()) == []  # no folder, no temporary folder
+
+
+def test_generate_says_what_it_does_during_a_long_prefill_and_compare_unless_no_progress(tmp_path, capsys):
+    from river_hf.cli import main
+
+    folder = str(_tiny_model_folder(tmp_path / "tiny", context=2048))
+    long_prompt = " ".join(f"w{3 + i % 60}" for i in range(1200))  # 1200 tokens: over LONG_PREFILL_TOKENS
+    settings = ["--model", folder, "--max-new-tokens", "3", "--backend", "copy", "--exit-head", "copy", "--tau", "2"]
+    capsys.readouterr()
+    assert main(["generate", long_prompt, *settings]) == 0
+    assert "prefilling 1200 prompt tokens" in capsys.readouterr().err
+    assert main(["generate", long_prompt, *settings, "--no-progress"]) == 0
+    assert "prefilling" not in capsys.readouterr().err
+    compare = ["generate", "w3 w4 w5", *settings, "--compare", "--repeats", "1", "--json"]
+    assert main(compare) == 0
+    err = capsys.readouterr().err
+    assert "prefilling" not in err  # a short prompt: no note
+    assert "--compare: answering with the unmodified model" in err and "--compare: timing River" in err
+    assert "timing: 100%" in err  # the tqdm bar over the timed rounds
+    assert main([*compare, "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "--compare" not in err and "timing:" not in err

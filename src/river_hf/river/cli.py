@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from ..errors import RiverError
@@ -12,6 +13,13 @@ from ..eval.common import add_river_arguments, positive_int, river_overrides
 from ..models import encode_prompt
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+
+#: Prompts longer than this many tokens get a one-line stderr note before their prefill (a
+#: 5000-token prompt takes about a minute on a 2-core CPU).
+LONG_PREFILL_TOKENS = 1000
+
+#: Files of which a model folder's tokenizer needs at least one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "number of new tokens (warm-up, --repeats alternating rounds); prints decode tokens/s, the "
                         "median speedup and its min-max spread, and the token match rate")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds for --compare (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text (on stdout; progress "
+                                                       "stays on stderr unless --no-progress)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (exit-layer build, long-prefill note, --compare rounds)")
     p.set_defaults(func=run_generate)
     try:
         from .cli_convert import register as register_convert
@@ -74,27 +85,75 @@ def _check_args(args) -> float | None:
     return tau
 
 
+def check_model(name: str, *, progress: bool = True):
+    """What ``generate`` and ``convert`` need from ``name``, checked before any weight is read, on
+    the path ``RiverForCausalLM.from_pretrained`` takes: :func:`river_hf.models.resolve`, the base
+    weights present (:func:`~river_hf.river.serialization.check_base_weights`), the config read as
+    ``from_pretrained`` reads it (one error for a missing, non-JSON or unknown ``model_type``
+    config.json), River settings stored in it valid, a model type River supports, and a tokenizer.
+
+    Returns:
+        ``(path, config, tokenizer)``: what ``from_pretrained`` loads, its config (pass it as
+        ``config=`` so it is not read again) and the tokenizer.
+
+    Raises:
+        RiverError: any of the above, as one message that says what to do.
+    """
+    from transformers import AutoTokenizer
+
+    from ..models import resolve
+    from .arch import SUPPORTED_MODEL_TYPES
+    from .modeling import _read_config
+    from .serialization import check_base_weights, saved_river_config
+
+    path = resolve(name, progress=progress)
+    check_base_weights(path)
+    config = _read_config(path, {}, name)
+    saved_river_config(config, where=name)
+    model_type = getattr(config.get_text_config(decoder=True), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise RiverError(
+            f"{name!r} is a {model_type!r} model, which River does not support (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}); pass a model of one of those types, or in Python try "
+            "river_hf.enable_river(model, allow_untested=True)"
+        )
+    fix = ("save the tokenizer of its model into it (tokenizer.save_pretrained(FOLDER)), or pass a model key "
+           "or Hub id")
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise RiverError(f"{name!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); {fix}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise RiverError(f"cannot load the tokenizer of {name!r} ({first}); {fix}") from None
+    return path, config, tokenizer
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"[river-hf] {msg}", file=sys.stderr, flush=True)
+
+
 def run_generate(args) -> int:
     tau = _check_args(args)
     import torch
-    from transformers import AutoConfig, AutoTokenizer, TextStreamer
+    from transformers import TextStreamer
 
-    from ..models import resolve
     from .modeling import RiverForCausalLM
 
+    progress = not args.no_progress
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    path = resolve(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    _, config, tokenizer = check_model(args.model, progress=progress)
     inputs = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template)
     prompt_tokens = inputs["input_ids"].shape[1]
-    context = getattr(AutoConfig.from_pretrained(path).get_text_config(decoder=True), "max_position_embeddings", None)
+    context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
     if context and prompt_tokens + args.max_new_tokens > context:
         raise RiverError(f"--max-new-tokens {args.max_new_tokens} does not fit: the prompt has {prompt_tokens} tokens and "
                          f"this model's context is {context}; use at most {max(context - prompt_tokens, 0)}")
     overrides = river_overrides(args)
-    model = RiverForCausalLM.from_pretrained(args.model, tau=tau, dtype=dtype, device_map=device,
-                                             progress=not args.json, **overrides)
+    model = RiverForCausalLM.from_pretrained(args.model, tau=tau, dtype=dtype, device_map=device, config=config,
+                                             progress=progress, **overrides)
     if args.draft_tokens is not None:
         model.river_config = dataclasses.replace(model.river_config, draft_tokens=args.draft_tokens)
     river_mode = "lossless" if args.lossless else "route"
@@ -114,17 +173,21 @@ def run_generate(args) -> int:
         return out[0, prompt_tokens:], dict(model.river_stats)
 
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    if prompt_tokens > LONG_PREFILL_TOKENS:
+        _say(progress, f"prefilling {prompt_tokens} prompt tokens (a long prompt: this takes a while before the "
+                       "first new token) ...")
     tokens, stats = answer(river_mode, streamer)
+    if not args.json:
+        print(flush=True)  # the streamed answer ends without a newline (and --compare's notes follow on stderr)
     result = {"model": args.model, "prompt": args.prompt, "text": tokenizer.decode(tokens, skip_special_tokens=True),
               "new_tokens": int(tokens.shape[0]), "river_config": model.river_config.to_dict(), "stats": stats,
               "exit_layer_build_seconds": model.river_build_seconds, "kernels": model.river_kernels()}
     if args.compare:
-        result.update(_compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode, label))
+        result.update(_compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode, label, progress))
         result["exit_fraction"] = stats.get("exit_fraction")  # River's own answer, not the last timed run
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print()
     print(_stats_line(label, stats, model))
     if args.compare:
         print(result["comparison_table"])
@@ -141,14 +204,17 @@ def run_generate(args) -> int:
     return 0
 
 
-def _compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode="route", label="River") -> dict:
+def _compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode="route", label="River",
+             progress=False) -> dict:
     """River (in ``river_mode``) and the unmodified model timed side by side (river_hf.timing.compare) on as many new
-    tokens as River's answer had, plus the unmodified answer and the token match rate."""
+    tokens as River's answer had, plus the unmodified answer and the token match rate. With ``progress``, one stderr
+    line before each stage and a tqdm bar (stderr) over the timed rounds."""
     import os
 
     from ..timing import compare, measure_generate
 
     n = max(int(tokens.shape[0]), 2)
+    _say(progress, f"--compare: answering with the unmodified model ({int(tokens.shape[0])} tokens) for the token match")
     base_tokens, base_stats = answer("backbone", max_new_tokens=int(tokens.shape[0]))
 
     def timed(mode):
@@ -159,8 +225,10 @@ def _compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode="ro
         return run
 
     load_before = os.getloadavg()[0]
+    _say(progress, f"--compare: timing {label} and the unmodified model on {n} new tokens each: one untimed warm-up "
+                   f"run of each, then {args.repeats} alternating round(s)")
     comparison = compare({label: timed(river_mode), "unmodified": timed("backbone")}, reference="unmodified",
-                         repeats=args.repeats)
+                         repeats=args.repeats, progress=progress)
     m = min(len(tokens), len(base_tokens))
     match = float((tokens[:m] == base_tokens[:m]).float().mean()) if m else 0.0
     river = comparison.row(label)

@@ -68,9 +68,8 @@ def _check_out_dir(out_dir: str) -> None:
 
 def handler(args) -> int:
     import torch
-    from transformers import AutoTokenizer
 
-    from ..models import resolve
+    from .cli import check_model
     from .modeling import RiverForCausalLM
     from .serialization import model_card
 
@@ -90,8 +89,8 @@ def handler(args) -> int:
 
     settings = river_overrides(args)
     RiverConfig(tau=2.0 if tau is None else tau, offload_from=args.offload_from, **settings)
-    path = resolve(args.model)
-    model = RiverForCausalLM.from_pretrained(path, tau=tau, dtype=torch.float32, **settings)
+    path, config, tokenizer = check_model(args.model)  # the same checks as generate, before any weight is read
+    model = RiverForCausalLM.from_pretrained(path, tau=tau, dtype=torch.float32, config=config, **settings)
     if args.offload_from is not None:
         import dataclasses
 
@@ -100,7 +99,6 @@ def handler(args) -> int:
             raise RiverError(f"--offload-from must be in 0..{n - 1} for this model, got {args.offload_from}")
         # Only stored: offloading here would just slow the measurement and the save down.
         model.river_config = dataclasses.replace(model.river_config, offload_from=args.offload_from)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     measurement = None
     if args.measure:
         measurement = measure(model, tokenizer, args.measure_tokens)
