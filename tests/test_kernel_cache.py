@@ -99,6 +99,8 @@ def test_saved_folder_keeps_its_kernels_where_this_machine_would_measure_others(
     assert second.calls == []  # nothing measured: the saved choice decided
     assert kernels_used(loaded) == {"quanto-int4"} and loaded.river_config.kernel_choice == choice
     assert torch.equal(exit_logits(loaded), reference)  # the same model as the one saved
+    monkeypatch.setenv("RIVER_HF_AUTOTUNE", "0")  # no measurement: the first candidate (torch-int4) otherwise
+    assert kernels_used(RiverForCausalLM.from_pretrained(str(folder), progress=False)) == {"quanto-int4"}
 
 
 def test_saved_kernel_missing_here_warns_once_and_falls_back(tmp_path, cache, monkeypatch):

@@ -244,7 +244,10 @@ class WeightOnlyKernel:
         if self.name == "torch-int8":
             return hasattr(torch, "_weight_int8pack_mm")
         if self.name.startswith("quanto"):
-            return importlib.util.find_spec("optimum.quanto") is not None
+            try:
+                return importlib.util.find_spec("optimum.quanto") is not None
+            except ImportError:  # no optimum at all
+                return False
         return True
 
     def build(self, linear: nn.Linear, memo: CastMemo | None = None) -> nn.Module:
