@@ -4,17 +4,22 @@ Rules (the project's benchmark standard):
 
 * all configurations run in one process, on the same inputs, with the same number of new tokens;
 * one untimed warm-up run of each configuration first (allocations, kernel selection, caches);
-* ``repeats`` timed rounds (default 3) in alternating order (forward, reversed, forward, ...), so
-  a slow drift of the machine falls evenly on every configuration;
+* ``repeats`` timed rounds; in each the reference runs next to every other configuration
+  (``R A R B R C`` on even rounds, the same reversed, ``C R B R A R``, on odd ones), so a slow
+  drift of the machine falls evenly on every configuration and every speedup compares two runs
+  that are neighbours in time (with two configurations this is plain alternation: ``R A``, ``A R``);
 * per configuration the median and the spread (min-max) over rounds; the speedup against the
-  reference is taken *per round* (both runs of a round are neighbours in time) and reported as
+  reference is taken *per pair* (a run over the reference run next to it) and reported as
   median and min-max; a speedup whose spread contains 1.0 is printed as "not resolved";
 * decode speed is separated from prefill: TTFT (s, call start to the first new token) and decode
   tokens/s (tokens after the first / time from the first to the last token), measured by a
   streamer (:class:`TokenTimer`) that works for any ``generate``;
-* the machine's own memory bandwidth is measured once per run (:func:`memory_bandwidth_gb_s`), and
-  each configuration's achieved bandwidth (weight bytes read per decode step x decode steps/s) is
-  printed as a share of it.
+* the machine's STREAM copy and triad bandwidth are measured once per run, at the run's thread
+  count (:func:`stream_bandwidth`), and each configuration's achieved bandwidth (weight bytes read
+  per decode step x decode steps/s) is printed as a share of the **STREAM triad** figure. That is a
+  sustained-bandwidth benchmark, not a hard limit: a decode step can come near it or pass it;
+* every table names its reference (``reference_kind``: e.g. the plain transformers model, or a
+  River model in backbone mode).
 """
 
 from __future__ import annotations
@@ -26,31 +31,65 @@ from typing import Callable
 
 from transformers.generation.streamers import BaseStreamer
 
-__all__ = ["TokenTimer", "Measurement", "memory_bandwidth_gb_s", "compare", "Comparison", "measure_generate"]
+__all__ = ["TokenTimer", "Measurement", "stream_bandwidth", "memory_bandwidth_gb_s", "compare", "Comparison",
+           "measure_generate"]
 
 
-def memory_bandwidth_gb_s(nbytes: int | None = None, repeats: int = 5) -> float:
-    """This machine's read bandwidth (GB/s, 1e9 bytes/s): the median over ``repeats`` of a
-    read-reduce (``tensor.sum()``) over a float32 tensor of ``nbytes`` (default: 1 GiB, or 4x the
-    last-level cache if larger, so it streams from memory). On a GPU, over a tensor on the GPU."""
+def stream_bandwidth(nbytes: int | None = None, repeats: int = 5, threads: int | None = None) -> dict:
+    """STREAM-like copy and triad bandwidth of this machine (GB/s, 1e9 bytes/s), torch ops.
+
+    Three float32 arrays ``a``, ``b``, ``c`` of ``nbytes`` each (default: 4x the last-level cache,
+    at least 128 MiB, so every pass streams from memory); copy is ``c[:] = a`` (2 arrays moved per
+    element), triad is ``a[:] = b + s * c`` (3 arrays), counted as STREAM counts them (no
+    write-allocate traffic). Each figure is the best of ``repeats`` timed passes after one untimed
+    pass (STREAM's rule). It runs at ``threads`` (default: torch's current thread count, i.e. the
+    run's), and on the GPU when one is available. A sustained-bandwidth benchmark, not a limit.
+
+    Returns:
+        ``{"copy_gb_s", "triad_gb_s", "threads", "array_bytes", "device"}``.
+    """
     import torch
 
     from .quant import last_level_cache_bytes
 
-    nbytes = nbytes or max(1 << 30, 4 * last_level_cache_bytes())
+    nbytes = nbytes or max(128 << 20, 4 * last_level_cache_bytes())
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        x.sum()
-        if device == "cuda":  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        n = max(nbytes // 4, 1)
+        a = torch.full((n,), 1.0, dtype=torch.float32, device=device)
+        b = torch.full((n,), 2.0, dtype=torch.float32, device=device)
+        c = torch.zeros(n, dtype=torch.float32, device=device)
+
+        def best(op) -> float:
+            op()
+            times = []
+            for _ in range(repeats):
+                if device == "cuda":  # pragma: no cover - needs a GPU
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                op()
+                if device == "cuda":  # pragma: no cover - needs a GPU
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        copy_s = best(lambda: c.copy_(a))
+        triad_s = best(lambda: torch.add(b, c, alpha=3.0, out=a))
+        used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old_threads)
+    return {"copy_gb_s": 2 * n * 4 / copy_s / 1e9, "triad_gb_s": 3 * n * 4 / triad_s / 1e9, "threads": used,
+            "array_bytes": n * 4, "device": device}
+
+
+def memory_bandwidth_gb_s(nbytes: int | None = None, repeats: int = 5) -> float:
+    """The STREAM triad figure of :func:`stream_bandwidth` (GB/s). Kept under its old name for
+    callers that still use it; it used to be a 2-thread read-reduce (``sum()``), which
+    underestimated what a decode step can reach. Print it as "STREAM triad GB/s"."""
+    return stream_bandwidth(nbytes, repeats)["triad_gb_s"]
 
 
 class TokenTimer(BaseStreamer):
@@ -86,18 +125,39 @@ class TokenTimer(BaseStreamer):
         if self.inner is not None:
             self.inner.end()
 
-    def measurement(self, weight_bytes_per_step: float | None = None) -> Measurement:
-        """What was recorded, as a :class:`Measurement` (raises ValueError when no token came)."""
-        if not self.arrivals:
-            raise ValueError("no new token was streamed: was this timer passed as generate(streamer=...)?")
-        first, last = self.arrivals[0][0], self.arrivals[-1][0]
-        tokens = sum(n for _, n in self.arrivals)
-        decode_tokens = tokens - self.arrivals[0][1]
+    def measurement(self, weight_bytes_per_step: float | None = None, returned_tokens: int | None = None) -> Measurement:
+        """What was recorded, as a :class:`Measurement`.
+
+        Args:
+            weight_bytes_per_step: mean weight bytes read per decode step, when known.
+            returned_tokens: the new tokens ``generate`` actually returned. A stop string (or a
+                stopping criterion inside an assisted-decoding round) can cut the output after
+                the streamer was already given more tokens; only the first ``returned_tokens``
+                streamed tokens are then counted, and the run ends when the last of them arrived.
+                None: every streamed token counts.
+
+        Raises:
+            ValueError: no new token came (or ``returned_tokens`` < 1).
+        """
+        arrivals = list(self.arrivals)
+        if returned_tokens is not None:
+            kept, left = [], int(returned_tokens)
+            for t, n in arrivals:
+                if left <= 0:
+                    break
+                kept.append((t, min(n, left)))
+                left -= n
+            arrivals = kept
+        if not arrivals:
+            raise ValueError("no new token was streamed (or returned): was this timer passed as generate(streamer=...)?")
+        first, last = arrivals[0][0], arrivals[-1][0]
+        tokens = sum(n for _, n in arrivals)
+        decode_tokens = tokens - arrivals[0][1]
         decode_s = last - first
         return Measurement(
             new_tokens=tokens, seconds=last - self.start, ttft_s=first - self.start,
             decode_tokens=decode_tokens, decode_s=decode_s, weight_bytes_per_step=weight_bytes_per_step,
-            decode_steps=len(self.arrivals) - 1,
+            decode_steps=len(arrivals) - 1,
         )
 
 
@@ -143,14 +203,15 @@ def measure_generate(model, inputs: dict, **generate_kwargs) -> Measurement:
 
     A River model's ``river_stats["weight_bytes_per_token"]`` gives the weight bytes (converted to
     per streamer step: in assisted or lossless decoding one step brings several tokens); otherwise
-    pass ``weight_bytes_per_step=`` (bytes per step) among the keyword arguments.
+    pass ``weight_bytes_per_step=`` (bytes per step) among the keyword arguments. Only the tokens
+    the call returned are counted (a stop string may cut tokens the streamer already saw).
     """
     bytes_per_step = generate_kwargs.pop("weight_bytes_per_step", None)
     timer = TokenTimer(generate_kwargs.pop("streamer", None))
     timer.reset()
-    model.generate(**inputs, **generate_kwargs, streamer=timer)
+    out = model.generate(**inputs, **generate_kwargs, streamer=timer)
     stats = getattr(model, "river_stats", None) or {}
-    measured = timer.measurement(bytes_per_step)
+    measured = timer.measurement(bytes_per_step, returned_tokens=_returned_tokens(out, inputs))
     if bytes_per_step is None and stats.get("weight_bytes_per_token") is not None:
         # River counts bytes per generated token; a streamer step of assisted (lossless) decoding
         # brings several tokens, so per step = per token x tokens / steps
@@ -159,31 +220,56 @@ def measure_generate(model, inputs: dict, **generate_kwargs) -> Measurement:
     return measured
 
 
+def _returned_tokens(out, inputs: dict) -> int | None:
+    """New tokens of a batch-1 ``generate`` output (a tensor or a ``GenerateOutput``), or None."""
+    import torch
+
+    seq = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+    if not isinstance(seq, torch.Tensor) or seq.dim() != 2 or seq.shape[0] != 1:
+        return None
+    prompt = inputs.get("input_ids", inputs.get("inputs"))
+    if isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
+        return int(seq.shape[1] - prompt.shape[1])
+    return int(seq.shape[1]) if inputs.get("inputs_embeds") is not None else None
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
 
 
 @dataclasses.dataclass
 class Comparison:
-    """Result of :func:`compare`: ``rows`` (one dict per configuration, see :func:`compare`),
-    the reference label, the repeats and the machine's bandwidth (GB/s)."""
+    """Result of :func:`compare`: ``rows`` (one dict per configuration, see :func:`compare`), the
+    reference label and what that reference is (``reference_kind``), the repeats, and the
+    machine's STREAM triad and copy bandwidth (GB/s, :func:`stream_bandwidth`; None when not
+    measured)."""
 
     rows: list[dict]
     reference: str
     repeats: int
-    bandwidth_limit_gb_s: float | None
+    stream_triad_gb_s: float | None
+    stream_copy_gb_s: float | None = None
+    stream_threads: int | None = None
+    reference_kind: str | None = None
+    interleaved: bool = True
 
     def row(self, label: str) -> dict:
         return next(r for r in self.rows if r["label"] == label)
+
+    @property
+    def bandwidth_limit_gb_s(self) -> float | None:
+        """The old name of :attr:`stream_triad_gb_s` (it was never a limit)."""
+        return self.stream_triad_gb_s
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def table(self) -> str:
-        """The comparison as aligned text lines, one per configuration."""
-        limit = self.bandwidth_limit_gb_s
+        """The comparison as aligned text lines, one per configuration, then what the reference
+        was and the STREAM triad figure the bandwidth shares are taken of."""
+        triad = self.stream_triad_gb_s
         head = (f"{'configuration':<22} {'decode tok/s (min-max)':>24} {'× ' + self.reference + ' (min-max)':>30} "
-                f"{'TTFT s':>7} {'GB/s':>6} {'% of limit':>10}")
+                f"{'TTFT s':>7} {'GB/s':>6} {'% STREAM triad':>14}")
         lines = [head]
         for r in self.rows:
             d, sp = r["decode_tokens_per_s"], r["speedup"]
@@ -193,11 +279,45 @@ class Comparison:
             lines.append(
                 f"{r['label']:<22} {d['median']:>8.2f} ({d['min']:.2f}-{d['max']:.2f}){'':>5} {ratio:>30} "
                 f"{r['ttft_s']['median']:>7.2f} {'' if bw is None else f'{bw:6.1f}':>6} "
-                f"{'' if bw is None or not limit else f'{100 * bw / limit:9.0f}%':>10}")
-        if limit:
-            lines.append(f"memory bandwidth of this machine (1 GiB read-reduce): {limit:.1f} GB/s; "
-                         f"{self.repeats} alternating repeats after a warm-up, median (min-max)")
+                f"{'' if bw is None or not triad else f'{100 * bw / triad:13.0f}%':>14}")
+        lines.append(f"reference {self.reference!r}: {self.reference_kind or 'not stated by the caller'}")
+        order = ("reference run next to each configuration (R A R B ...), order reversed every other round"
+                 if self.interleaved else "alternating order")
+        lines.append(f"{self.repeats} rounds after a warm-up, {order}; median (min-max)")
+        if triad:
+            lines.append(stream_line(triad, self.stream_copy_gb_s, self.stream_threads))
         return "\n".join(lines)
+
+
+def stream_line(triad: float, copy: float | None = None, threads: int | None = None) -> str:
+    """The printed line that names the bandwidth figure shares are taken of."""
+    return (f"STREAM triad GB/s of this machine: {triad:.1f}" + (f" (copy {copy:.1f})" if copy else "")
+            + (f", {threads} threads" if threads else "")
+            + "; a sustained-bandwidth benchmark, not a hard limit")
+
+
+def _schedule(labels: list[str], reference: str, round_: int, interleave: bool) -> list[tuple[str, int]]:
+    """One round's run order as ``(label, partner)`` pairs: ``partner`` is the index, in this
+    round's order, of the reference run a configuration's speedup is taken against."""
+    others = [label for label in labels if label != reference]
+    if not interleave:
+        order = labels if round_ % 2 == 0 else labels[::-1]
+        r = order.index(reference)
+        return [(label, r) for label in order]
+    order: list[str] = []
+    for label in others or []:
+        order += [reference, label]
+    if not others:
+        order = [reference]
+    if round_ % 2:
+        order = order[::-1]
+    out = []
+    for i, label in enumerate(order):
+        if label == reference:
+            out.append((label, i))
+        else:  # the reference run right before it (even rounds) or right after it (odd rounds)
+            out.append((label, i + 1 if round_ % 2 else i - 1))
+    return out
 
 
 def compare(
@@ -209,6 +329,8 @@ def compare(
     bandwidth: bool = True,
     progress: bool = False,
     on_round: Callable[[int, str], None] | None = None,
+    reference_kind: str | None = None,
+    interleave: bool = True,
 ) -> Comparison:
     """Time ``configs`` side by side (see the module docstring for the rules).
 
@@ -219,16 +341,23 @@ def compare(
         reference: the label the speedups are taken against.
         repeats: timed rounds (>= 1; 3 or more for a claim).
         warmup: run every configuration once, untimed, first.
-        bandwidth: measure the machine's memory bandwidth once (about a second).
+        bandwidth: measure the machine's STREAM copy and triad bandwidth once (:func:`stream_bandwidth`).
         progress: a tqdm bar over the runs.
         on_round: called as ``on_round(repeat, label)`` before each timed run.
+        reference_kind: what the reference is (e.g. "plain transformers model"); printed with the
+            table and kept in the result.
+        interleave: run the reference next to every configuration (``R A R B R C``, reversed on
+            odd rounds), so each speedup compares neighbours in time; False: each configuration
+            once per round, alternating order (the reference then runs once per round).
 
     Returns:
         A :class:`Comparison`; each row has ``label``, ``decode_tokens_per_s``, ``tokens_per_s``,
-        ``ttft_s`` (each ``{"median", "min", "max", "runs"}``), ``speedup`` (per-round decode
-        tokens/s over the reference's, same form), ``verdict`` (``"faster"``, ``"slower"`` or
-        ``"not resolved"`` when the speedup's min-max contains 1.0), ``new_tokens``,
-        ``weight_bytes_per_step`` (bytes, median), ``bandwidth_gb_s`` (median).
+        ``ttft_s`` (each ``{"median", "min", "max", "runs"}``; the reference's runs are all its
+        runs, one per neighbour), ``speedup`` (per pair: decode tokens/s over the neighbouring
+        reference run's, same form), ``reference_runs`` (those reference decode tokens/s, one per
+        round), ``verdict`` (``"faster"``, ``"slower"`` or ``"not resolved"`` when the speedup's
+        min-max contains 1.0), ``new_tokens``, ``weight_bytes_per_step`` (bytes, median),
+        ``bandwidth_gb_s`` (median).
 
     Raises:
         ValueError: ``reference`` is not a label, ``repeats`` < 1, or two configurations produced
@@ -244,26 +373,37 @@ def compare(
     if warmup:
         for label in labels:
             configs[label]()
-    limit = memory_bandwidth_gb_s() if bandwidth else None
+    stream = stream_bandwidth() if bandwidth else None
     runs: dict[str, list[Measurement]] = {label: [] for label in labels}
-    bar = tqdm(total=repeats * len(labels), desc="timing", unit="run", disable=not progress)
+    paired: dict[str, list[Measurement]] = {label: [] for label in labels}
+    total = sum(len(_schedule(labels, reference, r, interleave)) for r in range(repeats))
+    bar = tqdm(total=total, desc="timing", unit="run", disable=not progress)
     for r in range(repeats):
-        for label in labels if r % 2 == 0 else labels[::-1]:
+        plan = _schedule(labels, reference, r, interleave)
+        done: list[Measurement] = []
+        for label, _ in plan:
             if on_round is not None:
                 on_round(r, label)
             m = configs[label]()
-            runs[label].append(_sum(m) if isinstance(m, list) else m)
+            done.append(_sum(m) if isinstance(m, list) else m)
             bar.update()
-        tokens = {label: runs[label][-1].new_tokens for label in labels}
-        if len(set(tokens.values())) > 1:
+        for (label, partner), m in zip(plan, done):
+            runs[label].append(m)
+            paired[label].append(done[partner])
+        tokens = {label: m.new_tokens for (label, _), m in zip(plan, done)}
+        if len({m.new_tokens for m in done}) > 1:
             raise ValueError(f"round {r + 1}: the configurations generated different numbers of tokens {tokens}; "
                              "time them with min_new_tokens = max_new_tokens")
     bar.close()
-    ref = runs[reference]
     rows = []
     for label in labels:
         ms = runs[label]
-        ratios = [m.decode_tokens_per_s / b.decode_tokens_per_s for m, b in zip(ms, ref)]
+        if label == reference:
+            refs = ms
+            ratios = [1.0] * len(ms)
+        else:
+            refs = paired[label]
+            ratios = [m.decode_tokens_per_s / b.decode_tokens_per_s for m, b in zip(ms, refs)]
         sp = _spread(ratios)
         verdict = "faster" if sp["min"] > 1.0 else "slower" if sp["max"] < 1.0 else "not resolved"
         bws = [m.bandwidth_gb_s for m in ms if m.bandwidth_gb_s is not None]
@@ -274,12 +414,17 @@ def compare(
             "tokens_per_s": _spread([m.tokens_per_s for m in ms]),
             "ttft_s": _spread([m.ttft_s for m in ms]),
             "speedup": sp,
+            "reference_runs": [b.decode_tokens_per_s for b in refs],
             "verdict": "reference" if label == reference else verdict,
             "new_tokens": ms[0].new_tokens,
             "weight_bytes_per_step": statistics.median(bytes_) if bytes_ else None,
             "bandwidth_gb_s": statistics.median(bws) if bws else None,
         })
-    return Comparison(rows=rows, reference=reference, repeats=repeats, bandwidth_limit_gb_s=limit)
+    return Comparison(rows=rows, reference=reference, repeats=repeats,
+                      stream_triad_gb_s=stream["triad_gb_s"] if stream else None,
+                      stream_copy_gb_s=stream["copy_gb_s"] if stream else None,
+                      stream_threads=stream["threads"] if stream else None,
+                      reference_kind=reference_kind, interleaved=interleave)
 
 
 def _sum(ms: list[Measurement]) -> Measurement:
