@@ -12,11 +12,33 @@ from river_hf.pareto import pareto_front
 from test_eval import gsm8k_file  # noqa: F401  (fixture)
 
 
+def _undominated(points) -> list[bool]:
+    """The front by brute force, from the definition: no other point at least as fast and as
+    accurate and strictly better in one; points without both figures are never on it."""
+    xy = [(p["decode_tokens_per_s"]["median"] if isinstance(p["decode_tokens_per_s"], dict) else p["decode_tokens_per_s"],
+           p.get("accuracy")) for p in points]
+    out = []
+    for i, (x, y) in enumerate(xy):
+        if x is None or y is None:
+            out.append(False)
+            continue
+        out.append(not any(j != i and qx is not None and qy is not None and qx >= x and qy >= y and (qx, qy) != (x, y)
+                           for j, (qx, qy) in enumerate(xy)))
+    return out
+
+
 def test_pareto_front_keeps_the_undominated_points():
-    pts = [{"decode_tokens_per_s": {"median": s}, "accuracy": a} for s, a in
-           [(10, 0.9), (20, 0.8), (15, 0.7), (30, 0.0), (20, 0.8), (5, None)]]
-    # (15, 0.7) is dominated by (20, 0.8); the two equal points do not dominate each other
-    assert pareto_front(pts) == [True, True, False, True, True, False]
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):  # random point sets with ties and missing scores
+        pts = [{"decode_tokens_per_s": {"median": rng.choice([5, 10, 15, 20, 30])},
+                "accuracy": rng.choice([None, 0.0, 0.7, 0.8, 0.9])} for _ in range(rng.randint(1, 8))]
+        assert pareto_front(pts) == _undominated(pts)
+    # two equal points do not dominate each other; a point without a score is never on the front
+    pts = [{"decode_tokens_per_s": {"median": 20}, "accuracy": 0.8}] * 2 + [{"decode_tokens_per_s": {"median": 99},
+                                                                             "accuracy": None}]
+    assert pareto_front(pts) == [True, True, False]
 
 
 def test_pareto_command_on_a_tiny_model(tiny_folder, gsm8k_file, tmp_path):  # noqa: F811
@@ -31,12 +53,19 @@ def test_pareto_command_on_a_tiny_model(tiny_folder, gsm8k_file, tmp_path):  # n
     for p in report["points"]:
         assert p["decode_tokens_per_s"]["median"] > 0 and 0 <= p["humaneval"] <= 1 and 0 <= p["gsm8k"] <= 1
         assert p["accuracy"] == pytest.approx((p["humaneval"] + p["gsm8k"]) / 2)
-        assert isinstance(p["pareto"], bool) and 0 <= p["next_token_match"] <= 1
-    assert any(p["pareto"] for p in report["points"])
+        assert p["humaneval"] == pytest.approx(sum(p["humaneval_passed"]) / len(p["humaneval_passed"]))
+        assert p["gsm8k"] == pytest.approx(sum(p["gsm8k_correct"]) / len(p["gsm8k_correct"]))
+        if p["name"] != "unmodified":
+            assert 0 <= p["next_token_match"] <= 1
+    assert [p["pareto"] for p in report["points"]] == _undominated(report["points"])
     unmodified = report["points"][0]
-    assert unmodified["next_token_match"] == 1.0 and unmodified["mean_exit_layer"] == report["num_layers"]
+    # the reference has no agreement figure of its own; its exit layer is measured (every layer ran)
+    assert unmodified["agreement"] == "reference" and unmodified["next_token_match"] is None
+    assert unmodified["mean_exit_layer"] == report["num_layers"]
+    assert report["reference_kind"].startswith("plain transformers model")
     assert (tmp_path / "pareto.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| unmodified |" in (tmp_path / "pareto.md").read_text()
+    md = (tmp_path / "pareto.md").read_text()
+    assert "| unmodified |" in md and "plain transformers model" in md and "% of STREAM triad" in md
     assert not (tmp_path / "pareto.json.partial.json").exists()
 
     # --resume reuses finished accuracy points (here: all of them, from a partial file)

@@ -5,7 +5,11 @@ number of new tokens (``min_new_tokens = max_new_tokens``, greedy, batch 1), it 
 shared timer (:func:`river_hf.timing.compare`: warm-up, alternating order, >= 3 repeats, median and
 min-max spread, per-round speedups, "not resolved" when a speedup's spread contains 1.0):
 
-* ``unmodified``: the original model (``river_mode("backbone")``): the reference;
+* ``unmodified``: the reference. By default the plain transformers model
+  (:func:`plain_reference`: the architecture's own class holding the very same backbone weight
+  tensors, no River wrapper, router or hook on its path); ``--reference backbone`` times the River
+  model in ``river_mode("backbone")`` instead (every JSON and table says which it was:
+  ``reference_kind``);
 * ``fully <kernel>``: every decoder layer replaced by its exit copy and the exit head serving
   every step (``river_mode("exit")``), for the model's own exit kernels and, with
   ``--fully-quantized int4`` (the default when the exit layers are not 4-bit), for a second copy
@@ -14,10 +18,13 @@ min-max spread, per-round speedups, "not resolved" when a speedup's spread conta
 
 Figures per configuration: decode tokens/s (tokens after the first / time from the first to the
 last token), end-to-end tokens/s, TTFT (s), speedup over the unmodified model (decode, per
-round), weight bytes read per decode step, achieved bandwidth (GB/s) and its share of this
-machine's bandwidth (measured once per run), mean exit layer, and next-token match and KL
+round, against the reference run next to it), weight bytes read per decode step, achieved
+bandwidth (GB/s) and its share of this machine's STREAM triad bandwidth (measured once per run at
+the run's thread count; a sustained-bandwidth benchmark, not a limit), mean exit layer, and
+next-token match and KL
 (nats) from :func:`river_hf.eval.agreement.next_token_agreement` (River-LLM's quality measure:
-follow the unmodified model's greedy continuation and count the steps where the argmax agrees).
+follow the unmodified model's greedy continuation and count the steps where the argmax agrees;
+the reference's own row has none, and a row whose agreement is missing says so: None, "n/a").
 Free-running quality (HumanEval pass@1) comes from ``river-hf eval`` reports (``--eval-json``).
 
 Writes a JSON report and a PNG: decode tokens/s (with its min-max spread) against next-token
@@ -27,6 +34,7 @@ are given, each point labelled.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -34,7 +42,13 @@ from pathlib import Path
 from .errors import RiverError
 from .eval.common import add_river_arguments, positive_int
 
-__all__ = ["register", "handler", "run_bench", "plot_bench"]
+__all__ = ["register", "handler", "run_bench", "plot_bench", "plain_reference", "REFERENCE_KINDS"]
+
+#: What ``--reference`` may name as the unmodified model, and how tables describe it.
+REFERENCE_KINDS = {
+    "plain": "plain transformers model ({cls}: the architecture's own class on the same weight tensors, no River wrapper or hook)",
+    "backbone": "River model in backbone mode (river_mode('backbone'): the same weights through River's wrappers and router)",
+}
 
 
 def register(subparsers) -> None:
@@ -46,8 +60,8 @@ def register(subparsers) -> None:
                      "and River at each τ: warm-up, then alternating order over the repeats. Reports median decode "
                      "tokens/s with its min-max spread, the per-round speedup over the unmodified model (\"not "
                      "resolved\" when its spread contains 1.0), time to first token, weight bytes read per step, "
-                     "achieved GB/s and its share of this machine's measured bandwidth, next-token match, KL and mean "
-                     "exit layer; writes JSON and a PNG."),
+                     "achieved GB/s and its share of this machine's STREAM triad bandwidth, next-token match, KL and "
+                     "mean exit layer; writes JSON and a PNG."),
     )
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="model key, Hub id or folder (default: %(default)s)")
     p.add_argument("--taus", action="append", metavar="TAUS",
@@ -61,6 +75,9 @@ def register(subparsers) -> None:
     p.add_argument("--fully-quantized", default="auto", choices=("auto", "int4", "none"),
                    help="also time a second copy of the model with every layer and the head 4-bit (auto: when the "
                         "exit layers are not already 4-bit)")
+    p.add_argument("--reference", default="plain", choices=tuple(REFERENCE_KINDS),
+                   help="the unmodified model timed as the reference: plain = the architecture's own transformers "
+                        "class on the same weight tensors (default); backbone = the River model in backbone mode")
     add_river_arguments(p)
     p.add_argument("--eval-json", action="append", default=[], metavar="FILE",
                    help="river-hf eval report(s) (gsm8k/humaneval) to plot tokens/s against accuracy")
@@ -72,63 +89,183 @@ def register(subparsers) -> None:
 
 
 def _exit_label(model) -> str:
+    """The row label of ``model``'s fully quantized configuration: its exit-layer kernels and which
+    head serves the steps (the exit head's kernels, or the original head when there is none), so
+    two different configurations never share a label."""
     choice = model.river_config.backend
     head = model.river_config.exit_head
-    return f"fully {choice}" + (f" + {head} head" if head and head != choice else "")
+    if head is None:
+        return f"fully {choice} + original head"
+    return f"fully {choice}" + (f" + {head} head" if head != choice else "")
+
+
+def _tau_label(tau: float, taus) -> str:
+    """``τ=<tau>``, with ``:g`` unless another τ of ``taus`` prints the same (then every digit)."""
+    short = f"{tau:g}"
+    return f"τ={short}" if sum(f"{t:g}" == short for t in taus) <= 1 else f"τ={tau!r}"
+
+
+def _unique(labels: list[str]) -> list[str]:
+    """``labels`` with a repeated one numbered (``"x"``, ``"x #2"``): every configuration keeps its own row."""
+    out: list[str] = []
+    for label in labels:
+        name, n = label, 1
+        while name in out:
+            n += 1
+            name = f"{label} #{n}"
+        out.append(name)
+    return out
+
+
+def plain_reference(model):
+    """The plain transformers model behind a River model, without a copy of its weights.
+
+    An instance of the architecture's own class (e.g. ``Qwen2ForCausalLM``) built on the meta device
+    from ``model.config``, whose every parameter and buffer is then the River model's backbone
+    tensor of that name (the original decoder layers and LM head that River kept): the same
+    weights, no River wrapper, router or hook, no extra memory. Its ``generate`` is transformers'
+    own. Use it as the "unmodified" reference of a timing.
+
+    Raises:
+        RiverError: River is not enabled on ``model``, some backbone weights are offloaded (on the
+            meta device: time ``river_mode("backbone")`` instead, ``--reference backbone``), or a
+            tensor of the plain model has no counterpart.
+    """
+    import copy
+
+    import torch
+
+    from .river.arch import base_class
+    from .river.layer import RiverHead, RiverLayer
+    from .river.modeling import RiverForCausalLM
+
+    if not isinstance(model, RiverForCausalLM):
+        raise RiverError(f"plain_reference needs a River model, got {type(model).__name__}")
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(module, prefix):
+        if isinstance(module, (RiverLayer, RiverHead)):
+            module = module.backbone
+        for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+            if t is not None:
+                tensors[prefix + name] = t
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.")
+
+    walk(model, "")
+    offloaded = [n for n, t in tensors.items() if t.device.type == "meta"]
+    if offloaded:
+        raise RiverError(f"the River model's backbone weights are offloaded ({offloaded[0]}, ...): a plain copy "
+                         "would have to load them; time the River model in backbone mode instead (--reference backbone)")
+    config = copy.deepcopy(model.config)
+    with torch.device("meta"):
+        plain = base_class(type(model))(config)
+    for mod_name, module in plain.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None:
+                    continue
+                src = tensors.get(prefix + name)
+                if src is None or src.shape != t.shape:
+                    raise RiverError(f"plain_reference: the River model has no backbone tensor {prefix + name!r} of "
+                                     f"shape {tuple(t.shape)}; time it with --reference backbone")
+                store[name] = src
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    plain.generation_config.__dict__.pop("river_tau", None)
+    plain.eval()
+    return plain
 
 
 def run_bench(model, prompt_ids, taus, *, new_tokens=64, repeats=3, progress=True, pad_token_id=None,
-              extra_models: dict | None = None, strategies=()) -> tuple[list[dict], float | None]:
+              extra_models: dict | None = None, strategies=(), reference="plain", bandwidth=True,
+              interleave=True) -> tuple[list[dict], dict]:
     """Time and compare the configurations; see the module docstring for each figure.
 
     Args:
-        model: a River model. prompt_ids: list of ``[1, tokens]`` long tensors. taus: River τ values.
+        model: a River model. prompt_ids: list of ``[1, tokens]`` long tensors. taus: River τ values
+            (each applied per call: the model's own τ is unchanged afterwards).
         extra_models: label -> another River model of the same weights, timed in ``"exit"`` mode
             (e.g. the fully 4-bit model).
         strategies: baselines of :mod:`river_hf.river.strategies` (``"recompute"``, ...) timed at
             each τ as well, labelled ``"<strategy> τ=<t>"`` (River's own rows stay ``"τ=<t>"``).
+        reference: the ``"unmodified"`` reference: ``"plain"`` (:func:`plain_reference`, the
+            default), ``"backbone"`` (``model`` in ``river_mode("backbone")``), or a plain
+            transformers model of the same weights.
+        bandwidth: measure the STREAM bandwidth (:func:`river_hf.timing.stream_bandwidth`).
+        interleave: run the reference next to every configuration (see :func:`river_hf.timing.compare`).
 
     Returns:
-        ``(rows, bandwidth_limit_gb_s)``: one dict per configuration (``label``, ``mode``, ``tau``,
+        ``(rows, info)``: one dict per configuration, every label distinct (``label``, ``mode``
+        (``"plain"`` / ``"backbone"`` for the reference, ``"exit"``, ``"route"``), ``tau``,
         ``decode_tokens_per_s`` / ``tokens_per_s`` / ``ttft_s`` / ``speedup`` as
-        ``{"median", "min", "max", "runs"}``, ``verdict``, ``strategy``, ``ratio_to_unmodified`` (median decode
-        speedup), ``weight_bytes_per_token`` (bytes per decode step), ``bandwidth_gb_s``,
-        ``bandwidth_share`` (of the machine's measured bandwidth), ``mean_exit_layer``,
-        ``exit_fraction``, ``next_token_match``, ``mean_kl``); and the machine's bandwidth (GB/s).
+        ``{"median", "min", "max", "runs"}``, ``reference_runs``, ``verdict``, ``strategy``,
+        ``ratio_to_unmodified`` (median decode speedup), ``weight_bytes_per_token`` (bytes per
+        decode step), ``bandwidth_gb_s``, ``stream_triad_share`` (of the STREAM triad figure),
+        ``mean_exit_layer``, ``exit_fraction``, ``next_token_match``, ``mean_kl`` (None for the
+        reference itself and where no agreement row exists), ``agreement`` (``"reference"``,
+        ``"measured"`` or ``"missing"``)); and ``info``: ``reference``, ``reference_kind``,
+        ``stream_triad_gb_s``, ``stream_copy_gb_s``, ``stream_threads``, ``interleaved``.
     """
     import torch
 
     from .eval.tasks import agreement_over_prompts
+    from .eval.agreement import reference_continuation
     from .timing import compare, measure_generate
 
     extra_models = extra_models or {}
     river = model.river_config.strategy
-    configs = [("unmodified", model, "backbone", None, river), (_exit_label(model), model, "exit", None, river)]
+    L = model.river.num_layers
+    if reference == "plain":
+        ref_model = plain_reference(model)
+    elif reference == "backbone":
+        ref_model = model
+    elif isinstance(reference, str):
+        raise RiverError(f"reference must be one of {', '.join(REFERENCE_KINDS)} or a plain transformers model, "
+                         f"got {reference!r}")
+    else:
+        ref_model = reference
+    ref_mode = "backbone" if ref_model is model else "plain"
+    reference_kind = REFERENCE_KINDS[ref_mode].format(cls=type(ref_model).__name__)
+    configs = [("unmodified", ref_model, ref_mode, None, river), (_exit_label(model), model, "exit", None, river)]
     configs += [(label, m, "exit", None, m.river_config.strategy) for label, m in extra_models.items()]
-    configs += [(f"τ={t:g}", model, "route", t, river) for t in taus]
-    configs += [(f"{s} τ={t:g}", model, "route", t, s) for s in strategies if s != river for t in taus]
+    configs += [(_tau_label(t, taus), model, "route", t, river) for t in taus]
+    configs += [(f"{s} {_tau_label(t, taus)}", model, "route", t, s) for s in strategies if s != river for t in taus]
+    configs = [(label, *rest) for label, (_, *rest) in zip(_unique([c[0] for c in configs]), configs)]
     exits: dict[str, list[tuple[int, float, float]]] = {label: [] for label, *_ in configs}
+    full_bytes = model.river_step_bytes(L, "river")  # every backbone layer and the original head
 
     def runner(label, m, mode, tau, strategy):
         def run():
-            if tau is not None:
-                m.set_river_tau(tau)
             out = []
-            with m.river_mode(mode), m.river_strategy(strategy):
+            with contextlib.ExitStack() as stack:
+                if mode != "plain":
+                    stack.enter_context(m.river_mode(mode))
+                    stack.enter_context(m.river_strategy(strategy))
+                    stack.enter_context(m.river_tau_override(tau))
                 for ids in prompt_ids:
-                    out.append(measure_generate(m, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                    kw = {"weight_bytes_per_step": full_bytes} if mode == "plain" else {}
+                    measured = measure_generate(m, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                                pad_token_id=pad_token_id))
-                    s = m.river_stats
-                    exits[label].append((s["decode_steps"], s["mean_exit_layer"], s["exit_fraction"]))
+                                                pad_token_id=pad_token_id, **kw)
+                    out.append(measured)
+                    if mode == "plain":  # transformers' own decoding: every step runs every layer
+                        exits[label].append((measured.decode_steps, float(L), 0.0))
+                    else:
+                        s = m.river_stats
+                        exits[label].append((s["decode_steps"], s["mean_exit_layer"], s["exit_fraction"]))
             return out
         return run
 
     comparison = compare({label: runner(label, m, mode, tau, s) for label, m, mode, tau, s in configs},
-                         reference="unmodified", repeats=repeats, progress=progress)
+                         reference="unmodified", repeats=repeats, progress=progress, bandwidth=bandwidth,
+                         reference_kind=reference_kind, interleave=interleave)
 
-    agree, refs = agreement_over_prompts(model, prompt_ids, taus, max_new_tokens=new_tokens, progress=progress,
-                                         exit_only=True)
+    # next-token agreement follows the timed reference's own greedy continuation
+    refs = [reference_continuation(ref_model, ids, new_tokens) for ids in prompt_ids]
+    agree, _ = agreement_over_prompts(model, prompt_ids, taus, max_new_tokens=new_tokens, progress=progress,
+                                      exit_only=True, references=refs)
     agree_by = {(id(model), a["mode"], a["tau"], river): a for a in agree}
     for s in strategies:
         if s != river:
@@ -138,31 +275,44 @@ def run_bench(model, prompt_ids, taus, *, new_tokens=64, repeats=3, progress=Tru
                     agree_by[(id(model), a["mode"], a["tau"], s)] = a
     for m in extra_models.values():
         for a in agreement_over_prompts(m, prompt_ids, [], max_new_tokens=new_tokens, progress=progress,
-                                        exit_only=True)[0]:
+                                        exit_only=True, references=refs)[0]:
             agree_by[(id(m), a["mode"], a["tau"], m.river_config.strategy)] = a
 
-    limit = comparison.bandwidth_limit_gb_s
+    triad = comparison.stream_triad_gb_s
     rows = []
     for label, m, mode, tau, strategy in configs:
         r = comparison.row(label)
         steps = sum(n for n, _, _ in exits[label])
-        a = agree_by.get((id(m), mode, tau, strategy))
+        is_ref = label == "unmodified"
+        a = None if is_ref else agree_by.get((id(m), mode, tau, strategy))
+        config = model.river_config if mode == "plain" else m.river_config
         rows.append({
-            **{k: r[k] for k in ("label", "decode_tokens_per_s", "tokens_per_s", "ttft_s", "speedup", "verdict",
-                                 "new_tokens", "bandwidth_gb_s")},
+            **{k: r[k] for k in ("label", "decode_tokens_per_s", "tokens_per_s", "ttft_s", "speedup", "reference_runs",
+                                 "verdict", "new_tokens", "bandwidth_gb_s")},
             "mode": mode, "tau": tau, "strategy": strategy,
-            "exit_layers": m.river_config.backend, "exit_head": m.river_config.exit_head,
+            "exit_layers": None if is_ref else config.backend, "exit_head": None if is_ref else config.exit_head,
             "ratio_to_unmodified": r["speedup"]["median"],
             "weight_bytes_per_token": r["weight_bytes_per_step"],
-            "bandwidth_share": (r["bandwidth_gb_s"] / limit) if limit and r["bandwidth_gb_s"] else None,
+            "stream_triad_share": (r["bandwidth_gb_s"] / triad) if triad and r["bandwidth_gb_s"] else None,
             "mean_exit_layer": sum(n * e for n, e, _ in exits[label]) / steps if steps else None,
             "exit_fraction": sum(n * f for n, _, f in exits[label]) / steps if steps else None,
-            # The unmodified model is the reference of next-token match: 1 and 0 by definition.
-            "next_token_match": a["match_rate"] if a else 1.0,
-            "mean_kl": a["mean_kl"] if a else 0.0,
+            # the reference is what the others are compared with: it has no agreement figure of its own,
+            # and a configuration without an agreement row is reported as missing (never as a match)
+            "agreement": "reference" if is_ref else "measured" if a else "missing",
+            "next_token_match": a["match_rate"] if a else None,
+            "mean_kl": a["mean_kl"] if a else None,
             "agreement_positions": a["positions"] if a else None,
         })
-    return rows, limit
+    info = {"reference": "unmodified", "reference_kind": reference_kind, "interleaved": comparison.interleaved,
+            "stream_triad_gb_s": triad, "stream_copy_gb_s": comparison.stream_copy_gb_s,
+            "stream_threads": comparison.stream_threads}
+    return rows, info
+
+
+def _triad(report: dict) -> float | None:
+    """The STREAM triad figure of a report (reports written before it existed kept their
+    read-reduce figure as ``bandwidth_limit_gb_s``; that one is read, it is what they measured)."""
+    return report.get("stream_triad_gb_s", report.get("bandwidth_limit_gb_s"))
 
 
 def _merge_evals(pairs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
@@ -198,8 +348,8 @@ def plot_bench(report: dict, png: str | Path, evals: list[tuple[str, dict]] = ()
     rows = report["rows"]
     panels = 2 + len(evals)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2), squeeze=False)
-    colors = {"backbone": "tab:gray", "exit": "tab:red", "route": "tab:blue"}
-    limit = report.get("bandwidth_limit_gb_s")
+    colors = {"plain": "tab:gray", "backbone": "tab:gray", "exit": "tab:red", "route": "tab:blue"}
+    triad = _triad(report)
 
     def draw(ax, points, xlabel):
         labels: dict[tuple, list[str]] = {}  # points that coincide on the plot share one label
@@ -226,7 +376,11 @@ def plot_bench(report: dict, png: str | Path, evals: list[tuple[str, dict]] = ()
         d = r["decode_tokens_per_s"]
         return d["median"], d["min"], d["max"]
 
-    draw(axes[0][0], [(100 * r["next_token_match"], speed(r), r["label"], r["mode"]) for r in rows],
+    def match(r):  # the reference sits at 100 % by construction (the others follow its continuation)
+        return 100.0 if r.get("agreement") == "reference" or r["mode"] in ("plain", "backbone") else \
+            None if r["next_token_match"] is None else 100 * r["next_token_match"]
+
+    draw(axes[0][0], [(match(r), speed(r), r["label"], r["mode"]) for r in rows if match(r) is not None],
          "next-token match vs unmodified (%)")
     draw(axes[0][1], [(r["weight_bytes_per_token"] / 1e6, speed(r), r["label"], r["mode"]) for r in rows],
          "weight MB read per decode step")
@@ -236,7 +390,8 @@ def plot_bench(report: dict, png: str | Path, evals: list[tuple[str, dict]] = ()
         draw(ax, pts, f"{name} (%)")
     fig.suptitle(f"{report['model']}: {report['new_tokens']} new tokens x {report['prompts']} prompts, "
                  f"{report['repeats']} alternating repeats ({report['device']}"
-                 + (f", memory bandwidth {limit:.1f} GB/s" if limit else "") + ")", fontsize=9)
+                 + (f", STREAM triad {triad:.1f} GB/s" if triad else "") + ")"
+                 + (f"; reference: {report['reference_kind']}" if report.get("reference_kind") else ""), fontsize=8)
     fig.tight_layout()
     save_figure(fig, png)
 
@@ -286,15 +441,17 @@ def handler(args) -> int:
         args.fully_quantized == "auto" and not (get_backend(model.river_config.backend).bits == 4
                                                 and model.river_config.exit_head is not None
                                                 and get_backend(model.river_config.exit_head).bits == 4))
-    if want_int4:
+    if want_int4 and (model.river_config.backend, model.river_config.exit_head) != ("int4", "int4"):
+        # (a model already on int4 exit layers and head would be the same configuration twice)
         four, _, _ = load_river_model(args.model, progress=progress, **{**settings, "backend": "int4", "exit_head": "int4"})
         extra[_exit_label(four)] = four
     prompt_ids = [encode_prompt(tokenizer, humaneval_prompt(p))["input_ids"].to(model.device)
                   for p in problems[: args.prompts]]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    river_config = model.river_config.to_dict()  # as loaded (the runs below change τ)
-    rows, limit = run_bench(model, prompt_ids, taus, new_tokens=args.new_tokens, repeats=args.repeats,
-                            progress=progress, pad_token_id=pad, extra_models=extra, strategies=strategies)
+    river_config = model.river_config.to_dict()
+    rows, info = run_bench(model, prompt_ids, taus, new_tokens=args.new_tokens, repeats=args.repeats,
+                           progress=progress, pad_token_id=pad, extra_models=extra, strategies=strategies,
+                           reference=args.reference)
     device = f"{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     report = {
         "model": args.model,
@@ -309,7 +466,7 @@ def handler(args) -> int:
         "repeats": args.repeats,
         "device": device,
         "machine": machine_id(model.device),
-        "bandwidth_limit_gb_s": limit,
+        **info,
         "num_layers": model.river.num_layers,
         "river_config": river_config,
         "river_build_seconds": model.river_build_seconds,
@@ -325,27 +482,42 @@ def handler(args) -> int:
     plot_bench(report, png, evals)
     report["png"] = png.name
     write_json(out, report)
-    print(format_rows(rows, limit, args.repeats))
+    print(format_rows(rows, info, args.repeats))
     log(f"wrote {out} and {png} ({report['wall_s']:.0f} s)")
     return 0
 
 
-def format_rows(rows: list[dict], limit: float | None, repeats: int) -> str:
+def format_rows(rows: list[dict], info: dict | float | None, repeats: int) -> str:
     """The bench table as text: decode tokens/s (min-max), speedup (min-max) and verdict, TTFT,
-    GB/s and % of the machine's bandwidth, mean exit layer, next-token match, KL."""
-    lines = [f"{'configuration':<26} {'decode tok/s (min-max)':>23} {'× unmodified (min-max)':>34} {'TTFT s':>7} "
-             f"{'GB/s':>5} {'% lim':>5} {'exit':>5} {'match':>6} {'KL':>7}"]
+    GB/s and its % of the STREAM triad figure, mean exit layer, next-token match, KL; then which
+    reference the speedups are against and the STREAM figures. ``info``: run_bench's second
+    value (a bare number is taken as the STREAM triad GB/s)."""
+    info = info if isinstance(info, dict) else {"stream_triad_gb_s": info}
+    triad = _triad(info)
+    lines = [f"{'configuration':<30} {'decode tok/s (min-max)':>23} {'× unmodified (min-max)':>34} {'TTFT s':>7} "
+             f"{'GB/s':>5} {'% triad':>7} {'exit':>5} {'match':>6} {'KL':>7}"]
     for r in rows:
         d, sp = r["decode_tokens_per_s"], r["speedup"]
         ratio = "reference" if r["verdict"] == "reference" else \
             f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f}) {r['verdict']}"
         bw = r["bandwidth_gb_s"]
-        share = f"{100 * r['bandwidth_share']:4.0f}%" if r.get("bandwidth_share") else ""
+        share = r.get("stream_triad_share", r.get("bandwidth_share"))
+        share = f"{100 * share:6.0f}%" if share else ""
         exit_ = "" if r["mean_exit_layer"] is None else f"{r['mean_exit_layer']:5.1f}"
-        lines.append(f"{r['label']:<26} {d['median']:8.2f} ({d['min']:.2f}-{d['max']:.2f})     {ratio:>34} "
-                     f"{r['ttft_s']['median']:7.2f} {'' if bw is None else f'{bw:5.1f}':>5} {share:>5} {exit_:>5} "
-                     f"{r['next_token_match']:6.3f} {r['mean_kl']:7.4f}")
-    if limit:
-        lines.append(f"memory bandwidth of this machine (1 GiB read-reduce): {limit:.1f} GB/s; {repeats} alternating "
-                     "repeats after a warm-up; speedups are per round, decode only (TTFT apart)")
+        ref = r.get("agreement") == "reference"
+        match = "ref" if ref else "n/a" if r["next_token_match"] is None else f"{r['next_token_match']:6.3f}"
+        kl = "ref" if ref else "n/a" if r["mean_kl"] is None else f"{r['mean_kl']:7.4f}"
+        lines.append(f"{r['label']:<30} {d['median']:8.2f} ({d['min']:.2f}-{d['max']:.2f})     {ratio:>34} "
+                     f"{r['ttft_s']['median']:7.2f} {'' if bw is None else f'{bw:5.1f}':>5} {share:>7} {exit_:>5} "
+                     f"{match:>6} {kl:>7}")
+    if info.get("reference_kind"):
+        lines.append(f"reference 'unmodified': {info['reference_kind']}")
+    order = ("the reference run next to each configuration (R A R B ...), reversed every other round"
+             if info.get("interleaved", True) else "alternating order")
+    lines.append(f"{repeats} rounds after a warm-up, {order}; speedups per pair of neighbouring runs, decode only "
+                 "(TTFT apart)")
+    if triad:
+        from .timing import stream_line
+
+        lines.append(stream_line(triad, info.get("stream_copy_gb_s"), info.get("stream_threads")))
     return "\n".join(lines)

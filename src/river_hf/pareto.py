@@ -11,8 +11,10 @@ Per point:
 * free-running accuracy: HumanEval pass@1 and GSM8K exact match on the first N problems of each
   (greedy, chat template, :mod:`river_hf.eval.tasks`), with the mean exit layer of those runs;
 * decode tokens/s from the shared timer (:func:`river_hf.bench.run_bench`: fixed token counts,
-  warm-up, alternating order, repeats, median and min-max; weight bytes per step and the share of
-  the machine's measured bandwidth);
+  warm-up, the reference run next to every point, repeats, median and min-max; weight bytes per
+  step and their share of the machine's STREAM triad bandwidth); the speed reference is the plain
+  transformers model (``--reference backbone``: the River model in backbone mode), named in every
+  output (``reference_kind``);
 * next-token match against the unmodified model (teacher-forced, River-LLM's own measure).
 
 The report marks the points on the Pareto front (no other point is at least as fast and at
@@ -62,6 +64,9 @@ def register(subparsers) -> None:
     p.add_argument("--prompts", type=positive_int, default=2, help="timed prompts (first N HumanEval) (default: %(default)s)")
     p.add_argument("--new-tokens", type=positive_int, default=48, help="new tokens per timed prompt (default: %(default)s)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats, alternating order (default: %(default)s)")
+    p.add_argument("--reference", default="plain", choices=("plain", "backbone"),
+                   help="the unmodified model timed as the speed reference: plain = the architecture's own transformers "
+                        "class on the same weight tensors (default); backbone = the River model in backbone mode")
     add_river_arguments(p)
     p.add_argument("--out", default=None, help="JSON report (default: pareto_<model>.json); PNG and .md go next to it")
     p.add_argument("--resume", action="store_true", help="reuse finished accuracy points from <out>.partial.json")
@@ -135,10 +140,10 @@ def _accuracy_points(model, tokenizer, strategies, taus, args, partial: dict, pa
     return partial
 
 
-def _merge(bench_rows: list[dict], accuracy: dict, num_layers: int) -> list[dict]:
+def _merge(bench_rows: list[dict], accuracy: dict) -> list[dict]:
     points = []
     for r in bench_rows:
-        if r["mode"] == "backbone":
+        if r["mode"] in ("plain", "backbone"):
             name = UNMODIFIED
         elif r["mode"] == "exit":
             name = FULLY
@@ -149,9 +154,9 @@ def _merge(bench_rows: list[dict], accuracy: dict, num_layers: int) -> list[dict
         points.append({
             "name": name, "strategy": None if r["mode"] != "route" else r["strategy"], "tau": r["tau"],
             "decode_tokens_per_s": r["decode_tokens_per_s"], "speedup": r["speedup"], "verdict": r["verdict"],
-            "weight_bytes_per_token": r["weight_bytes_per_token"], "bandwidth_share": r["bandwidth_share"],
-            "mean_exit_layer": r["mean_exit_layer"] if r["mode"] == "route" else (0 if r["mode"] == "exit" else num_layers),
-            "next_token_match": r["next_token_match"],
+            "weight_bytes_per_token": r["weight_bytes_per_token"], "stream_triad_share": r["stream_triad_share"],
+            "mean_exit_layer": r["mean_exit_layer"],  # of the timed decode steps, as measured
+            "agreement": r["agreement"], "next_token_match": r["next_token_match"],
             **{k: v for k, v in a.items() if k not in ("strategy", "tau")},
             "accuracy": sum(scores) / len(scores) if scores else None,
         })
@@ -211,24 +216,36 @@ def plot_pareto(report: dict, png: str | Path) -> None:
     axes[0][-1].legend(fontsize=7, loc="best")
     fig.suptitle(f"{report['model']}: {report['humaneval']} HumanEval + {report['gsm8k']} GSM8K problems, greedy "
                  f"≤ {report['max_new_tokens']} tokens; speed: {report['prompts']} prompts x {report['new_tokens']} tokens, "
-                 f"{report['repeats']} alternating repeats ({report['device']}); labels: τ", fontsize=8)
+                 f"{report['repeats']} rounds ({report['device']}); labels: τ"
+                 + (f"\nspeed reference: {report['reference_kind']}" if report.get("reference_kind") else ""), fontsize=8)
     fig.tight_layout()
     save_figure(fig, png)
 
 
 def format_table(report: dict) -> str:
-    """The points as a Markdown table."""
-    lines = ["| point | decode tok/s (min-max) | × unmodified (min-max) | % bandwidth | mean exit layer | HumanEval | GSM8K | "
-             "next-token match | Pareto |", "|---|---|---|---|---|---|---|---|---|"]
+    """The points as a Markdown table, then which reference the speedups are against and the STREAM
+    triad figure the bandwidth shares are of."""
+    lines = ["| point | decode tok/s (min-max) | × unmodified (min-max) | % of STREAM triad | mean exit layer | HumanEval | "
+             "GSM8K | next-token match | Pareto |", "|---|---|---|---|---|---|---|---|---|"]
     for p in report["points"]:
         d, sp = p["decode_tokens_per_s"], p["speedup"]
-        share = f"{100 * p['bandwidth_share']:.0f}%" if p.get("bandwidth_share") else ""
+        share = p.get("stream_triad_share", p.get("bandwidth_share"))
+        share = f"{100 * share:.0f}%" if share else ""
+        match = p.get("next_token_match")
+        match = "reference" if p.get("agreement") == "reference" else "n/a" if match is None else f"{match:.3f}"
         pct = lambda v: "" if v is None else f"{100 * v:.0f}%"  # noqa: E731
         exit_ = "" if p["mean_exit_layer"] is None else f"{p['mean_exit_layer']:.1f}"
         lines.append(f"| {p['name']} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {sp['median']:.2f} "
                      f"({sp['min']:.2f}-{sp['max']:.2f}){' not resolved' if p['verdict'] == 'not resolved' else ''} | {share} | "
-                     f"{exit_} | {pct(p.get('humaneval'))} | {pct(p.get('gsm8k'))} | {p['next_token_match']:.3f} | "
+                     f"{exit_} | {pct(p.get('humaneval'))} | {pct(p.get('gsm8k'))} | {match} | "
                      f"{'yes' if p['pareto'] else ''} |")
+    lines.append("")
+    lines.append(f"Speed reference 'unmodified': {report.get('reference_kind') or 'River model in backbone mode (reports before the field)'}.")
+    triad = report.get("stream_triad_gb_s", report.get("bandwidth_limit_gb_s"))
+    if triad:
+        from .timing import stream_line
+
+        lines.append(stream_line(triad, report.get("stream_copy_gb_s"), report.get("stream_threads")) + ".")
     return "\n".join(lines)
 
 
@@ -284,8 +301,9 @@ def handler(args) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     river = model.river_config.strategy
     bench_taus = taus if river in strategies else []
-    rows, limit = run_bench(model, prompt_ids, bench_taus, new_tokens=args.new_tokens, repeats=args.repeats,
-                            progress=progress, pad_token_id=pad, strategies=[s for s in strategies if s != river])
+    rows, info = run_bench(model, prompt_ids, bench_taus, new_tokens=args.new_tokens, repeats=args.repeats,
+                           progress=progress, pad_token_id=pad, strategies=[s for s in strategies if s != river],
+                           reference=args.reference)
     device = f"{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     report = {
         "model": args.model, "dtype": str(model.dtype).removeprefix("torch."),
@@ -294,8 +312,8 @@ def handler(args) -> int:
         "taus": taus, "strategies": strategies, "humaneval": args.humaneval, "gsm8k": args.gsm8k,
         "max_new_tokens": args.max_new_tokens, "prompts": len(prompt_ids), "new_tokens": args.new_tokens,
         "repeats": args.repeats, "device": device, "machine": machine_id(model.device),
-        "bandwidth_limit_gb_s": limit, "num_layers": model.river.num_layers, "river_config": river_config,
-        "points": _merge(rows, accuracy, model.river.num_layers),
+        **info, "num_layers": model.river.num_layers, "river_config": river_config,
+        "points": _merge(rows, accuracy),
         "versions": versions(), "wall_s": time.perf_counter() - start,
         "command": "river-hf " + " ".join(sys.argv[1:]) if sys.argv and "river" in sys.argv[0] else None,
     }
