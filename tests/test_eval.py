@@ -206,3 +206,68 @@ def test_kv_cosine_is_one_for_identical_exit_copies(tiny_folder):
     kv = kv_cosine_similarity(model, torch.tensor([[1, 5, 9, 20, 31]]))
     assert kv["mean_k_cosine"] == pytest.approx(1.0, abs=1e-5)
     assert kv["mean_v_cosine"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_agreement_with_fully_quantized_row(tiny_folder, tmp_path):
+    out = tmp_path / "agreement.json"
+    assert main(["eval", "--task", "agreement", "--model", tiny_folder, "--tau", "2", "--fully-quantized",
+                 "--limit", "1", "--max-new-tokens", "3", "--out", str(out), "--no-progress"]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["tau"], r["mode"]) for r in rows] == [(2.0, "route"), (None, "exit")]
+    assert rows[0]["match_rate"] == 1.0 and rows[1]["mean_exit_layer"] == 0.0  # every layer its exit copy
+    assert 0.0 <= rows[1]["match_rate"] <= 1.0 and rows[1]["positions"] == rows[0]["positions"]
+
+
+@pytest.fixture(scope="module")
+def tiny_river(tiny_folder):
+    from river_hf import RiverForCausalLM
+
+    return RiverForCausalLM.from_pretrained(tiny_folder, progress=False, dtype=torch.float32, backend="torch-int8")
+
+
+def test_recompute_exit_statistics_count_every_pass_as_it_ran(tiny_river):
+    """Recompute re-feeds each exited token and trims the cache's records of it; the agreement's
+    exit statistics must still count the exited passes (read here from the router's own end of
+    each pass)."""
+    from river_hf.eval.agreement import next_token_agreement, reference_continuation
+
+    ids = torch.tensor([[1, 5, 9, 20, 31]])
+    ref = reference_continuation(tiny_river, ids, 8)
+    seen: list[int] = []
+    router = tiny_river.river
+    end = router.end
+
+    def spy(batch, tokens, cache=None):
+        seen.append(router.exit_layer)
+        return end(batch, tokens, cache)
+
+    router.end = spy
+    try:
+        with tiny_river.river_strategy("recompute"), tiny_river.river_tau_override(0.1):
+            a = next_token_agreement(tiny_river, ids, reference=ref)
+    finally:
+        del router.end
+    decode = seen[1:]
+    L = tiny_river.river.num_layers
+    assert any(e < L for e in decode) and any(e == L for e in decode)  # exits, and full-depth re-feeds
+    assert a["decode_steps"] == len(decode) == ref[0].shape[0] - 1
+    assert a["mean_exit_layer"] == pytest.approx(sum(decode) / len(decode))
+    assert a["exit_fraction"] == pytest.approx(sum(e < L for e in decode) / len(decode))
+
+
+def test_task_helpers_leave_the_models_tau_alone(tiny_river, gsm8k_file):
+    """run_gsm8k and agreement_over_prompts apply each τ per call: afterwards the caller's τ and
+    rules are what they were."""
+    from river_hf.eval.tasks import agreement_over_prompts, run_gsm8k
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_river.name_or_path)
+    before = (tiny_river.river_config.tau, [(type(r).__name__, getattr(r, "tau", None)) for r in tiny_river.river.rules])
+    res = run_gsm8k(tiny_river, tok, [0.3, 2.0], limit=1, max_new_tokens=3, data=gsm8k_file, progress=False)
+    assert res["results"][1]["mean_exit_layer"] == tiny_river.river.num_layers  # τ=2 did apply
+    rows, _ = agreement_over_prompts(tiny_river, [torch.tensor([[1, 5, 9, 20]])], [0.3, 2.0], max_new_tokens=3,
+                                     progress=False)
+    assert rows[1]["match_rate"] == 1.0
+    after = (tiny_river.river_config.tau, [(type(r).__name__, getattr(r, "tau", None)) for r in tiny_river.river.rules])
+    assert after == before

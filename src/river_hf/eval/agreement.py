@@ -9,6 +9,8 @@ next-token distributions is averaged over the same positions.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..river.cache import RiverCache
@@ -20,6 +22,9 @@ __all__ = ["next_token_agreement", "reference_continuation", "kv_cosine_similari
 def reference_continuation(model, input_ids: torch.Tensor, max_new_tokens: int = 64, eos_token_id=None):
     """The unmodified model's greedy continuation of one prompt.
 
+    ``model``: a River model (run in ``river_mode("backbone")``) or a plain transformers model of the
+    same weights (e.g. :func:`river_hf.bench.plain_reference`), run as it is.
+
     Returns:
         ``(tokens, logits)``: ``[N]`` long tensor of new tokens and ``[N, V]`` float32 raw logits
         (N <= max_new_tokens; shorter when EOS came first). Independent of τ: compute it once and
@@ -29,7 +34,8 @@ def reference_continuation(model, input_ids: torch.Tensor, max_new_tokens: int =
     gen_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
     if eos_token_id is not None:
         gen_kwargs["eos_token_id"] = eos_token_id
-    with model.river_mode("backbone"):
+    backbone = model.river_mode("backbone") if hasattr(model, "river_mode") else contextlib.nullcontext()
+    with backbone:
         ref = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs)
     return ref.sequences[0, input_ids.shape[1]:], torch.stack([l[0] for l in ref.logits]).float()
 
@@ -50,8 +56,9 @@ def next_token_agreement(
     Returns:
         dict with ``positions`` (compared positions: the prefill's prediction plus each decode
         step), ``matches``, ``match_rate``, ``mean_kl`` (nats), ``mean_exit_layer`` over the decode
-        steps (number of backbone layers run; ``num_layers`` = no exit), ``exit_fraction`` and
-        ``num_layers``.
+        steps as they ran (number of backbone layers run; ``num_layers`` = no exit; from the
+        router's pass log, so the exited steps that ``recompute`` later re-feeds count too),
+        ``exit_fraction``, ``decode_steps`` and ``num_layers``.
 
     Raises:
         ValueError: ``input_ids`` is not a single unpadded prompt.
@@ -65,19 +72,23 @@ def next_token_agreement(
     n = ref_tokens.shape[0]
 
     cache = RiverCache(config=model.config.get_text_config(decoder=True))
-    logits = [model(input_ids=input_ids, cache=cache, use_cache=True).logits[0, -1]]
     strategy = model.river.strategy
-    for t in range(n - 1):
-        seq = torch.cat([input_ids[0], ref_tokens[: t + 1]])[None]
-        # as generate would: the strategy may re-feed earlier tokens (recompute: the exited ones)
-        feed = strategy.prepare_inputs(model, seq, {"cache": cache}) if model.river.mode == "route" else None
-        logits.append(model(input_ids=seq[:, -(feed or 1):], cache=cache, use_cache=True).logits[0, -1])
+    # The router's pass log, not the cache's per-step records: the recompute strategy trims the
+    # records of exited steps when it re-feeds them (RiverCache.trim_records), so the cache would
+    # only show the full-depth re-feed passes; the log keeps every pass as it ran.
+    with model.river.recording() as passes:
+        logits = [model(input_ids=input_ids, cache=cache, use_cache=True).logits[0, -1]]
+        for t in range(n - 1):
+            seq = torch.cat([input_ids[0], ref_tokens[: t + 1]])[None]
+            # as generate would: the strategy may re-feed earlier tokens (recompute: the exited ones)
+            feed = strategy.prepare_inputs(model, seq, {"cache": cache}) if model.river.mode == "route" else None
+            logits.append(model(input_ids=seq[:, -(feed or 1):], cache=cache, use_cache=True).logits[0, -1])
     river_logits = torch.stack(logits).float()  # [N, V]
 
     matches = int((river_logits.argmax(-1) == ref_logits.argmax(-1)).sum())
     ref_logp = torch.log_softmax(ref_logits, -1)
     kl = (ref_logp.exp() * (ref_logp - torch.log_softmax(river_logits, -1))).sum(-1)
-    decode = cache.exit_layers[1:]  # the cache records who served each pass (prefill first)
+    decode = [entry[2] for entry in passes[1:]]  # exit layer of each pass after the prefill
     L = model.river.num_layers
     return {
         "positions": n,
@@ -86,6 +97,7 @@ def next_token_agreement(
         "mean_kl": float(kl.mean()) if n else None,
         "mean_exit_layer": sum(decode) / len(decode) if decode else None,
         "exit_fraction": sum(e < L for e in decode) / len(decode) if decode else None,
+        "decode_steps": len(decode),
         "num_layers": L,
     }
 

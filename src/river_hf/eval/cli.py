@@ -39,8 +39,8 @@ def register(subparsers) -> None:
                    help="humaneval only: allow running model-written code (subprocess with a timeout)")
     p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program (default: %(default)s)")
     p.add_argument("--fully-quantized", action="store_true",
-                   help="gsm8k/humaneval: also score the fully quantized model (every layer its exit copy, the exit "
-                        "head on every step), as one more row with tau null")
+                   help="also score the fully quantized model (every layer its exit copy, the exit head on every "
+                        "step), as one more row with tau null (agreement: its next-token match and KL)")
     add_river_arguments(p)
     p.add_argument("--out", default=None, help="JSON report path (default: eval_<task>_<model>.json)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -69,8 +69,6 @@ def handler(args) -> int:
                                                      **river_overrides(args))
     taus = taus or [default_tau]
     if args.fully_quantized:
-        if args.task == "agreement":
-            raise RiverError("--fully-quantized is for gsm8k and humaneval (agreement always has the fully quantized row)")
         taus = [*taus, None]
     kwargs = dict(max_new_tokens=max_new, progress=progress)
     if args.task == "gsm8k":
@@ -102,7 +100,8 @@ def handler(args) -> int:
         tps = f"  {r['tokens_per_s']:.1f} tokens/s" if r.get("tokens_per_s") else ""
         mel = r.get("mean_exit_layer")
         name = "fully quantized" if r["tau"] is None else f"tau {r['tau']:g}"
-        print(f"{name}: {metric} {r[metric]:.3f}{extra}  mean exit layer "
+        score = "n/a" if r[metric] is None else f"{r[metric]:.3f}"
+        print(f"{name}: {metric} {score}{extra}  mean exit layer "
               f"{'n/a' if mel is None else f'{mel:.2f}'}/{model.river.num_layers}{tps}")
     if "kv_cosine" in report:
         kv = report["kv_cosine"]

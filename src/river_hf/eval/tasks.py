@@ -6,8 +6,11 @@ scored by the `evaluate` metric modules shipped in :mod:`river_hf.eval.metrics`.
 
 Figures per τ (River-LLM, Sec. 4 "Evaluation"): task score, mean exit layer (backbone layers run
 per decode step; L = no exit), exit fraction, tokens/s of the generation (wall clock, includes
-prefill), and for ``agreement`` the next-token match rate, KL(unmodified || River) in nats and the
-per-layer cosine similarity of exit-layer vs backbone K and V.
+prefill), weight bytes read per decode step (the mean over the steps actually taken), and for
+``agreement`` the next-token match rate, KL(unmodified || River) in nats and the per-layer cosine
+similarity of exit-layer vs backbone K and V.
+
+Every τ is applied per call (``model.river_tau_override``): the caller's model keeps its own τ.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ __all__ = [
     "run_gsm8k",
     "run_humaneval",
     "run_agreement",
+    "agreement_over_prompts",
+    "step_bytes",
     "TASKS",
 ]
 
@@ -137,31 +142,50 @@ def _generate(model, tokenizer, text: str, max_new_tokens: int, code_block_stop:
     out = model.generate(ids, **kwargs)
     new = out[0, ids.shape[1]:]
     stats = model.river_stats
+    counts = stats.get("exit_layer_counts") or []
     return {"text": tokenizer.decode(new, skip_special_tokens=True), "new_tokens": int(new.shape[0]),
             "seconds": stats.get("seconds"), "mean_exit_layer": stats.get("mean_exit_layer"),
-            "decode_steps": stats.get("decode_steps", 0)}
+            "decode_steps": stats.get("decode_steps", 0), "exit_layer_counts": counts,
+            "step_bytes": step_bytes(model, counts, stats)}
+
+
+def step_bytes(model, counts: list[int], stats: dict) -> float:
+    """Weight bytes the decode steps of one call read in all: for each exit layer k, the steps that
+    exited there (``river_stats["exit_layer_counts"]``) x ``model.river_step_bytes(k, strategy)``
+    (a step that exited reads the exit head, one that stayed the original head, so this is not a
+    function of the mean exit layer). ``exit`` mode runs the exit copies whatever the strategy."""
+    strategy = "river" if stats.get("mode") == "exit" else stats.get("strategy")
+    return float(sum(c * model.river_step_bytes(k, strategy) for k, c in enumerate(counts) if c))
 
 
 @contextlib.contextmanager
 def _setting(model, tau):
-    """River at τ, or (``tau`` None) the fully quantized model: every layer its exit copy, exit head."""
+    """River at τ for the calls in the block (the model's own τ is back afterwards), or (``tau``
+    None) the fully quantized model: every layer its exit copy, exit head."""
     if tau is None:
         with model.river_mode("exit"):
             yield "fully quantized"
         return
-    model.set_river_tau(tau)
-    yield f"tau={tau:g}"
+    with model.river_tau_override(tau, stacklevel=3):
+        yield f"tau={tau:g}"
 
 
 def _summary(tau: float | None, gens: list[dict]) -> dict:
+    """Per-τ figures pooled over the items. ``weight_bytes_per_step`` is the mean over every decode
+    step actually taken; an answer with no decode step (one new token) has no step to count, so it
+    adds nothing to it (``answers_without_decode_step`` says how many there were)."""
     tokens = sum(g["new_tokens"] for g in gens)
     seconds = sum(g["seconds"] or 0.0 for g in gens)
     steps = sum(g["decode_steps"] for g in gens)
     exit_sum = sum((g["mean_exit_layer"] or 0.0) * g["decode_steps"] for g in gens)
+    counted = sum(sum(g.get("exit_layer_counts") or []) for g in gens)
     return {"tau": tau, "mode": "exit" if tau is None else "route", "n": len(gens), "new_tokens": tokens,
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else None,
-            "mean_exit_layer": exit_sum / steps if steps else None}
+            "mean_exit_layer": exit_sum / steps if steps else None,
+            "decode_steps": steps,
+            "weight_bytes_per_step": sum(g.get("step_bytes") or 0.0 for g in gens) / counted if counted else None,
+            "answers_without_decode_step": sum(1 for g in gens if not g["decode_steps"])}
 
 
 def run_gsm8k(model, tokenizer, taus, *, limit=None, max_new_tokens=256, data=None, progress=True) -> dict:
@@ -181,7 +205,7 @@ def run_gsm8k(model, tokenizer, taus, *, limit=None, max_new_tokens=256, data=No
         res["exact_match"] = score["exact_match"]
         res["samples"] = [
             {"index": i, "extracted": e, "gold": g_, "correct": e is not None and e == g_, "new_tokens": g["new_tokens"],
-             "mean_exit_layer": g["mean_exit_layer"], "output": g["text"]}
+             "mean_exit_layer": g["mean_exit_layer"], "exit_layer_counts": g["exit_layer_counts"], "output": g["text"]}
             for i, (g, e, g_) in enumerate(zip(gens, score["extracted"], score["gold"]))
         ]
         results.append(res)
@@ -216,7 +240,7 @@ def run_humaneval(model, tokenizer, taus, *, limit=None, max_new_tokens=384, all
         res["pass@1"] = score["pass@1"]
         res["samples"] = [
             {"task_id": p["task_id"], "passed": r[0]["passed"], "result": r[0]["result"], "new_tokens": g["new_tokens"],
-             "mean_exit_layer": g["mean_exit_layer"], "completion": c}
+             "mean_exit_layer": g["mean_exit_layer"], "exit_layer_counts": g["exit_layer_counts"], "completion": c}
             for p, g, c, r in zip(problems, gens, completions, score["results"])
         ]
         results.append(res)
@@ -229,8 +253,9 @@ def agreement_over_prompts(model, prompt_ids: list[torch.Tensor], taus, *, max_n
 
     Each prompt's unmodified greedy continuation is generated once and every τ is compared
     against it (``references``: those continuations from an earlier call, to reuse). With
-    ``exit_only`` one more row (``"tau": None, "mode": "exit"``) compares the fully 4-bit model.
-    The strategy in force (``model.river_strategy``) handles the layers after each exit.
+    ``exit_only`` one more row (``"tau": None, "mode": "exit"``) compares the fully quantized model
+    (every layer its exit copy, the exit head). The strategy in force (``model.river_strategy``)
+    handles the layers after each exit. Each τ applies to this call only (the model keeps its τ).
 
     Returns:
         ``(rows, references)``: one dict per τ with ``match_rate`` (matches / positions),
@@ -244,16 +269,14 @@ def agreement_over_prompts(model, prompt_ids: list[torch.Tensor], taus, *, max_n
     configs = [("route", t) for t in taus] + ([("exit", None)] if exit_only else [])
     rows = []
     for mode, tau in configs:
-        if tau is not None:
-            model.set_river_tau(tau)
         per = []
-        with model.river_mode(mode):
+        with model.river_mode(mode), model.river_tau_override(tau, stacklevel=3):
             for ids, ref in tqdm(list(zip(prompt_ids, refs)), desc=f"agreement {mode if tau is None else f'tau={tau:g}'}",
                                  disable=not progress, unit="prompt"):
                 per.append(next_token_agreement(model, ids, reference=ref))
         positions = sum(a["positions"] for a in per)
         matches = sum(a["matches"] for a in per)
-        steps = [(a["positions"] - 1, a["mean_exit_layer"], a["exit_fraction"]) for a in per if a["mean_exit_layer"] is not None]
+        steps = [(a["decode_steps"], a["mean_exit_layer"], a["exit_fraction"]) for a in per if a["mean_exit_layer"] is not None]
         nsteps = sum(s for s, _, _ in steps)
         rows.append({
             "tau": tau, "mode": mode, "prompts": len(per), "positions": positions, "matches": matches,
@@ -269,13 +292,17 @@ def agreement_over_prompts(model, prompt_ids: list[torch.Tensor], taus, *, max_n
 def run_agreement(model, tokenizer, taus, *, limit=10, max_new_tokens=64, progress=True) -> dict:
     """Agreement with the unmodified model on the first ``limit`` HumanEval prompts (chat template).
 
+    ``taus``: River's τ values; a ``None`` among them adds the fully quantized model's row
+    (``"tau": None, "mode": "exit"``), as ``--fully-quantized`` does for the other tasks.
+
     Returns ``{"data", "results": [per-τ rows of agreement_over_prompts], "kv_cosine": {...}}``;
     ``kv_cosine`` holds per-layer K and V cosine similarities (exit layer vs backbone, same inputs:
     prompt + reference continuation), averaged over prompts.
     """
     problems = humaneval_problems(limit or 10)
     prompt_ids = [encode_prompt(tokenizer, humaneval_prompt(p))["input_ids"] for p in problems]
-    rows, refs = agreement_over_prompts(model, prompt_ids, taus, max_new_tokens=max_new_tokens, progress=progress)
+    rows, refs = agreement_over_prompts(model, prompt_ids, [t for t in taus if t is not None],
+                                        max_new_tokens=max_new_tokens, progress=progress, exit_only=None in taus)
     kv = [kv_cosine_similarity(model, torch.cat([ids.to(ref[0].device), ref[0][None]], dim=1))
           for ids, ref in zip(prompt_ids, refs)]
     L = len(kv[0]["k_cosine"])
