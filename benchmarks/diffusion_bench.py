@@ -7,15 +7,16 @@ A random-weight LLaDA-layout model (``--size 1b``: about 1.1e9 parameters; ``--s
 
 Timing goes through the project's side-by-side timer, ``river_hf.timing.compare`` (reference:
 uncached): its untimed warm-up call of every setting (here the short warm-up: two forwards over the
-full sequence length, one block), then ``--repeats`` rounds, each running uncached and every cached
-setting once, in forward order on even rounds and reversed on odd ones, so a slow drift of the
-shared machine's load hits all settings alike; speedups are taken per round (the two runs of a
-round are neighbours in time) and reported as median and min-max, as everywhere in river-hf. One
+full sequence length, one block), then ``--repeats`` rounds; in each, uncached runs next to every
+cached setting (U A U B ..., reversed on odd rounds; ``--no-interleave``: every setting once per
+round, alternating forward / reversed order), so a slow drift of the shared machine's load hits all
+settings alike; each speedup is taken against the neighbouring uncached run and reported as median
+and min-max, as everywhere in river-hf. One
 timed unit is one whole ``generate`` call; the timer gets its denoising-loop seconds, all generated
 tokens counted as decode tokens (no TTFT: the answer is final only at the end).
 
-Reported per setting: every round's wall seconds (``seconds_runs``) and CPU seconds, their median and
-min-max spread, the speedup over uncached (median and min-max of the per-round ratios), two counted
+Reported per setting: every run's wall seconds (``seconds_runs``; uncached has one per neighbour) and CPU seconds, their median and
+min-max spread, the speedup over uncached (median and min-max of the per-pair ratios), two counted
 FLOPs ratios (uncached / cached): ``flops_ratio`` over the decoder layers (projections + attention's
 QK^T and AV) and ``model_flops_ratio`` over the whole model (layers + the LM head at the positions it
 actually runs on), the *overhead share* ``1 - wall_speedup / ratio`` against each (the part of the
@@ -89,10 +90,16 @@ TIMING_PROTOCOL = {
     "timer": "river_hf.timing.compare",
     "reference": "uncached",
     "warmup": "one untimed short run of every setting first (two forwards over the full length, one block)",
-    "order": "rounds alternating forward / reversed order of the settings",
     "unit": "one generate call; wall seconds of the denoising loop",
-    "statistic": "median and min-max over rounds; speedup = per-round uncached seconds / setting seconds",
+    "statistic": "median and min-max over rounds; speedup = uncached seconds of the neighbouring uncached run / "
+                 "setting seconds, per pair (partial results before the timer returns: median uncached / median "
+                 "setting, range min uncached / max setting .. max uncached / min setting)",
 }
+
+
+def timing_order(interleave: bool) -> str:
+    return ("uncached next to every setting (U A U B ..., reversed on odd rounds)" if interleave
+            else "every setting once per round, alternating forward / reversed order")
 
 
 def generated_tokens(args, steps: int) -> int:
@@ -101,37 +108,42 @@ def generated_tokens(args, steps: int) -> int:
 
 
 def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args, comparison=None) -> list[dict]:
-    """Per-setting summary of the rounds so far (``runs[name]`` = one stats dict per round).
+    """Per-setting summary of the runs so far (``runs[name]`` = one stats dict per timed run; uncached
+    runs next to every setting when the timer interleaves).
 
-    ``comparison``: the finished :class:`river_hf.timing.Comparison`, whose per-round speedups are
-    then the ones reported; before it exists (partial results) the same rule is applied here to
-    the rounds that every setting has finished."""
+    ``comparison``: the finished :class:`river_hf.timing.Comparison`, whose per-pair speedups (each
+    setting against its neighbouring uncached run) are then the ones reported; before it exists
+    (partial results) the speedup is median uncached / median setting with the extreme-pairs range,
+    which contains the per-pair one."""
     p = args.prompt_length
     ref = outs["uncached"]
-    rounds_done = min(len(r) for r in runs.values())
-    base_wall = [r["seconds"] for r in runs["uncached"][:rounds_done]]
+    cached = [r for name, r in runs.items() if name != "uncached"]
+    rounds_done = min(len(r) for r in cached) if cached else len(runs["uncached"])
+    base = spread([r["seconds"] for r in runs["uncached"]])
     rows = []
     for name, rounds in runs.items():
-        rounds = rounds[:rounds_done]
+        if name != "uncached":
+            rounds = rounds[:rounds_done]
         wall = [r["seconds"] for r in rounds]
         cpu = [r["cpu_seconds"] for r in rounds]
         w = spread(wall)
         done = p + generated_tokens(args, rounds[0]["steps"])
         agreement = (outs[name][:, p:done] == ref[:, p:done]).float().mean().item()
         if comparison is not None:
-            sp = comparison.row(name)["speedup"]
-            ratios = list(sp["runs"])
+            ratios = list(comparison.row(name)["speedup"]["runs"])
+            sp = spread(ratios)
+            speedup, lo, hi = sp["median"], sp["min"], sp["max"]
         else:
-            ratios = [b / c for b, c in zip(base_wall, wall)]
-        sp = spread(ratios)
-        speedup = sp["median"]
-        speedup_range = None if name == "uncached" else [sp["min"], sp["max"]]
+            ratios = None
+            speedup, lo, hi = base["median"] / w["median"], base["min"] / w["max"], base["max"] / w["min"]
+        speedup_range = None if name == "uncached" else [lo, hi]
         flops_ratio = rounds[0]["flops_ratio"]
         model_ratio = rounds[0]["model_flops_ratio"]
         row = {
             "name": name,
             "cache": None if name == "uncached" else rounds[0]["cache"],
-            "repeats": len(rounds),
+            "repeats": rounds_done,
+            "runs": len(rounds),
             "seconds_runs": wall,
             "seconds": w,
             "cpu_seconds_runs": cpu,
@@ -142,6 +154,7 @@ def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args, 
             "speedup": speedup,
             "speedup_range": speedup_range,
             "speedup_runs": ratios,
+            "speedup_rule": "timer: per neighbouring pair" if comparison is not None else "partial: medians",
             "cpu_speedup": statistics.median(r["cpu_seconds"] for r in runs["uncached"]) / statistics.median(cpu),
             "flops_ratio": flops_ratio,
             "overhead_share": 1 - speedup / flops_ratio if flops_ratio else None,
@@ -206,8 +219,8 @@ def write_results(args, model, rows, info, timer: dict | None = None) -> None:
                   "block_length": args.block_length, "blocks_timed": args.blocks or args.gen_length // args.block_length,
                   "batch": 1, "temperature": 0.0, "remasking": "low_confidence", "threads": args.threads,
                   "small_batch_linear": args.small_batch_linear, "target": args.target, "flops_share": args.flops_share,
-                  "order": "warm-up of every setting, then rounds alternating forward / reversed order",
-                  "timing_protocol": TIMING_PROTOCOL,
+                  "order": "warm-up of every setting, then rounds: " + timing_order(args.interleave),
+                  "timing_protocol": {**TIMING_PROTOCOL, "order": timing_order(args.interleave)},
                   "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
                   "cpu_count": os.cpu_count(), "load_avg_at_end": os.getloadavg()},  # fmt: skip
         "rounds_done": rounds,
@@ -269,9 +282,11 @@ def write_results(args, model, rows, info, timer: dict | None = None) -> None:
         + (f" (timed: the first {args.blocks} blocks, {rows[0]['steps']} steps)," if args.blocks else ",") +
         f" batch 1, greedy, low-confidence remasking, {args.dtype}, torch threads {args.threads}"
         f", SmallBatchLinear {args.small_batch_linear}. Warm-up of every setting, then {rounds}"
-        f" rounds of all settings in alternating order (forward, reversed, ...), timed by `{TIMING_PROTOCOL['timer']}`.",
+        f" rounds ({timing_order(args.interleave)}), timed by `{TIMING_PROTOCOL['timer']}`.",
         f"Shared {os.cpu_count()}-core machine (load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}).",
-        "Speedup: median [min-max] of the per-round ratios uncached seconds / setting seconds; \"not resolved\" ="
+        ("Speedup: median [min-max] of the per-pair ratios neighbouring uncached seconds / setting seconds;"
+         if result["complete"] else "Speedup (partial run): median uncached / median setting seconds [extreme pairs];") +
+        " \"not resolved\" ="
         " the range straddles the threshold. FLOPs ratios (uncached / cached, counted): whole model = decoder layers"
         " (projections + attention QK^T and AV) + the LM head at the positions it runs on, the bound wall time should"
         " be held to; layer = decoder layers only. Overhead share = 1 - wall speedup / FLOPs ratio.",
@@ -343,6 +358,9 @@ def main(argv=None) -> int:
                     help="also check wall speedup >= this share of the layer-FLOPs ratio (default 0.85)")
     ap.add_argument("--small-batch-linear", default="auto", choices=list(SMALL_BATCH_LINEAR),
                     help="cached settings' partial steps under SmallBatchLinear: auto (default, measured), on, off")
+    ap.add_argument("--no-interleave", dest="interleave", action="store_false",
+                    help="run uncached once per round instead of next to every setting (fewer runs; the "
+                         "speedups then compare runs further apart in time)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (same for every run)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
@@ -388,7 +406,7 @@ def main(argv=None) -> int:
     blocks = args.gen_length // args.block_length
     runs: dict[str, list[dict]] = {name: [] for name in caches}
     outs: dict[str, torch.Tensor] = {}
-    timed = {"round": None}  # set by the timer's on_round right before each timed call
+    timed = {"round": None, "written": 0}  # round: set by the timer's on_round right before each timed call
 
     def runner(name):
         def run():
@@ -413,11 +431,13 @@ def main(argv=None) -> int:
 
     def on_round(rnd, name):
         timed["round"] = rnd
-        if rnd > 0 and all(len(r) == rnd for r in runs.values()):  # the first run of a round: the last one is done
+        if rnd > timed["written"]:  # the first run of a round: the rounds before it are done
+            timed["written"] = rnd
             write_results(args, model, summarize(runs, outs, args), info)
 
     comparison = compare({name: runner(name) for name in caches}, reference="uncached", repeats=args.repeats,
-                         bandwidth=False, on_round=on_round)  # fmt: skip
+                         bandwidth=False, on_round=on_round, interleave=args.interleave,
+                         reference_kind="uncached generation, same model and prompt")  # fmt: skip
     rows = summarize(runs, outs, args, comparison)
     write_results(args, model, rows, info, timer=comparison.to_dict())
     print("\n".join(report_line(r, args.target) for r in rows))

@@ -47,8 +47,9 @@ def test_bench_writes_rounds_and_step_kinds(tmp_path):
     doc = json.loads(out.with_suffix(".json").read_text())
     assert doc["complete"] and [r["name"] for r in doc["runs"]] == [
         "uncached", "Kp=4,Kr=2,rho=0.25", "Kp=4,Kr=2,rho=0.25,small-batch off"]
-    for run in doc["runs"]:
-        assert len(run["seconds_runs"]) == 3 and run["step_seconds_median"]
+    for run in doc["runs"]:  # uncached runs next to each of the 2 settings (the timer's interleaved order)
+        assert len(run["seconds_runs"]) == 3 * (2 if run["name"] == "uncached" else 1) and run["step_seconds_median"]
+        assert run["repeats"] == 3
     assert doc["runs"][2]["small_batch_linear_used"] is False
     assert "meets_flops_share" in doc["runs"][1]
     assert "Where the time goes" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size
@@ -128,7 +129,8 @@ def test_bench_whole_model_flops_ratio_matches_hand_count(tmp_path):
     timer_row = next(r for r in doc["timer"]["rows"] if r["label"] == run["name"])
     assert run["speedup_runs"] == timer_row["speedup"]["runs"] and len(run["speedup_runs"]) == 3
     assert [run["speedup_range"][0], run["speedup_range"][1]] == [min(run["speedup_runs"]), max(run["speedup_runs"])]
-    assert doc["setup"]["timing_protocol"]["timer"] == "river_hf.timing.compare"
+    assert doc["setup"]["timing_protocol"]["timer"] == "river_hf.timing.compare" and doc["timer"]["interleaved"]
+    assert run["speedup_rule"] == "timer: per neighbouring pair"
     assert "--settings 3,2,0.25" in doc["command"]
     md = out.with_suffix(".md").read_text()
     assert "whole-model FLOPs ratio" in md and f"| {run['model_flops_ratio']:.2f}x (" in md
