@@ -11,9 +11,19 @@ with the unmodified model's own greedy continuation:
   on the same first N problems (pass@1 or exact match at τ / the unmodified score).
 
 The chosen τ is the *fastest* one whose measure is at least the budget, where fastest means the
-fewest weight bytes read per decode token (a decode step on one sequence is memory-bandwidth
+fewest weight bytes read per decode step (a decode step on one sequence is memory-bandwidth
 bound, and bytes are exact where wall time on a shared CPU is noise for neighbouring τ); the
-measured decode tokens/s are reported beside them. The choice is written as a ``configs/``-style
+measured decode tokens/s are reported beside them. The bytes are the mean over the decode steps
+actually taken, each step counted at its own exit layer (``model.river_step_bytes``): a step that
+exited reads the exit head, one that stayed the original head, so bytes are not a linear function
+of the mean exit layer. Answers without a decode step (one new token) have no step to count and
+are left out of that mean; the report says how many there were.
+
+A sample too small to trust is warned about (``warnings.warn``, and a stderr line from the CLI):
+fewer than :data:`MIN_PROMPTS` prompts (or problems), or fewer than :data:`MIN_REFERENCE_TOKENS`
+tokens of the unmodified model's answers in total. With fewer tokens one diverging token moves
+the agreement by more than the gap between a 0.98 budget and 1, and with fewer prompts one
+prompt's answer decides the choice. The choice is written as a ``configs/``-style
 River settings file (``--out``; load it with ``RiverConfig.from_file``) and/or a saved River
 folder (``--save``), which ``from_pretrained`` / ``river-hf generate --model DIR`` load as is.
 """
@@ -22,12 +32,22 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 
 from ..errors import RiverError
 from .common import add_river_arguments, positive_int
 
-__all__ = ["register", "handler", "calibrate", "free_running_agreement", "DEFAULT_PROMPTS"]
+__all__ = ["register", "handler", "calibrate", "free_running_agreement", "DEFAULT_PROMPTS", "MIN_PROMPTS",
+           "MIN_REFERENCE_TOKENS"]
+
+#: Fewer calibration prompts (or task problems) than this: the choice is warned about as untrustworthy.
+MIN_PROMPTS = 5
+#: Fewer tokens of the unmodified model's answers in total than this: warned about too.
+MIN_REFERENCE_TOKENS = 256
+#: Tokens per prompt without a task, and per answer with --task, when --new-tokens is not given.
+DEFAULT_NEW_TOKENS = 64
+DEFAULT_TASK_NEW_TOKENS = 256
 
 #: Built-in calibration prompts (code, arithmetic, prose), used when no --prompts file is given.
 DEFAULT_PROMPTS = (
@@ -61,8 +81,9 @@ def register(subparsers) -> None:
     p.add_argument("--limit", type=positive_int, default=10, help="--task: first N problems (default: %(default)s)")
     p.add_argument("--data", default=None, help="--task gsm8k: JSON-lines test file (default: the shared copy, else the Hub)")
     p.add_argument("--allow-code-execution", action="store_true", help="--task humaneval: scoring runs model-written code")
-    p.add_argument("--new-tokens", type=positive_int, default=64,
-                   help="tokens per calibration prompt (default: %(default)s; --task: 256)")
+    p.add_argument("--new-tokens", type=positive_int, default=None,
+                   help=f"tokens per calibration prompt, or per answer with --task (default: {DEFAULT_NEW_TOKENS}; "
+                        f"--task: {DEFAULT_TASK_NEW_TOKENS})")
     add_river_arguments(p)
     p.add_argument("--out", default=None, help="write the chosen River settings here (JSON, configs/ style)")
     p.add_argument("--save", default=None, metavar="DIR", help="save a River folder with the chosen τ here")
@@ -108,13 +129,16 @@ def free_running_agreement(model, tokenizer, prompts: list[str], tau: float, ref
     Returns:
         ``agreement`` (sum of matched prefixes / sum of reference lengths), ``per_prompt``
         (each prompt's matched-prefix fraction), ``mean_exit_layer`` (decode-step weighted),
-        ``weight_bytes_per_token`` (mean over prompts, bytes), ``decode_tokens_per_s`` (pooled).
+        ``weight_bytes_per_token`` (weight bytes per decode step, the mean over every decode step
+        of every prompt, each at its own exit layer; None when no prompt had a decode step),
+        ``prompts_without_decode_step`` (left out of that mean), ``decode_tokens_per_s`` (pooled).
     """
     import torch
 
     from ..models import encode_prompt
+    from .tasks import step_bytes
 
-    matched = total = steps = 0
+    matched = total = steps = counted = skipped = 0
     exit_sum = bytes_sum = seconds = decode_tokens = 0.0
     per_prompt = []
     for text, ref in zip(prompts, references):
@@ -133,17 +157,40 @@ def free_running_agreement(model, tokenizer, prompts: list[str], tau: float, ref
         k = s.get("decode_steps") or 0
         steps += k
         exit_sum += (s.get("mean_exit_layer") or 0.0) * k
-        bytes_sum += s.get("weight_bytes_per_token") or 0.0
+        counts = s.get("exit_layer_counts") or []
+        if sum(counts):
+            counted += sum(counts)
+            bytes_sum += step_bytes(model, counts, s)
+        else:
+            skipped += 1
         seconds += s.get("decode_seconds") or 0.0
         decode_tokens += max(s.get("new_tokens", 0) - 1, 0)
     return {"tau": tau, "agreement": matched / total if total else 1.0, "per_prompt": per_prompt,
             "mean_exit_layer": exit_sum / steps if steps else None,
-            "weight_bytes_per_token": bytes_sum / len(prompts),
+            "weight_bytes_per_token": bytes_sum / counted if counted else None,
+            "prompts_without_decode_step": skipped,
             "decode_tokens_per_s": decode_tokens / seconds if seconds else None}
 
 
+def sample_check(prompts: int, reference_tokens: int) -> dict:
+    """Whether a calibration sample is large enough to trust (see the module docstring); the
+    ``warning`` text when it is not."""
+    small = []
+    if prompts < MIN_PROMPTS:
+        small.append(f"{prompts} prompt{'s' if prompts != 1 else ''} (fewer than {MIN_PROMPTS})")
+    if reference_tokens < MIN_REFERENCE_TOKENS:
+        small.append(f"{reference_tokens} reference tokens in total (fewer than {MIN_REFERENCE_TOKENS})")
+    out = {"prompts": prompts, "reference_tokens": reference_tokens, "min_prompts": MIN_PROMPTS,
+           "min_reference_tokens": MIN_REFERENCE_TOKENS, "too_small": bool(small)}
+    if small:
+        out["warning"] = ("calibration sample too small to trust: " + " and ".join(small) + "; one token or one prompt "
+                          "can decide the choice of τ. Use more prompts (--prompts FILE, --limit N) or more "
+                          "--new-tokens")
+    return out
+
+
 def _choose(rows: list[dict], budget: float, measure: str) -> dict | None:
-    ok = [r for r in rows if r[measure] is not None and r[measure] >= budget]
+    ok = [r for r in rows if r[measure] is not None and r[measure] >= budget and r["weight_bytes_per_token"] is not None]
     return min(ok, key=lambda r: (r["weight_bytes_per_token"], -r["tau"])) if ok else None
 
 
@@ -170,10 +217,11 @@ def calibrate(model, tokenizer, taus, budget: float, *, prompts=None, task=None,
     if task is None:
         refs = [reference_continuation(model, encode_prompt(tokenizer, p)["input_ids"], new_tokens)[0]
                 for p in tqdm(prompts, desc="reference (unmodified)", disable=not progress, unit="prompt")]
+        sample = _warn_small(len(prompts), sum(len(r) for r in refs))
         rows = [free_running_agreement(model, tokenizer, prompts, t, refs, new_tokens)
                 for t in tqdm(taus, desc="τ sweep", disable=not progress, unit="τ")]
         return {"measure": "agreement", "budget": budget, "prompts": len(prompts), "new_tokens": new_tokens,
-                "rows": rows, "chosen": _choose(rows, budget, "agreement")}
+                "sample": sample, "rows": rows, "chosen": _choose(rows, budget, "agreement")}
     from .tasks import run_gsm8k, run_humaneval
 
     metric = "pass@1" if task == "humaneval" else "exact_match"
@@ -182,24 +230,27 @@ def calibrate(model, tokenizer, taus, budget: float, *, prompts=None, task=None,
         (lambda ts: run_gsm8k(model, tokenizer, ts, limit=limit, max_new_tokens=new_tokens, data=data, progress=progress))
     results = run([2.0] + taus)["results"]  # τ = 2: the unmodified model's score
     reference = results[0][metric]
+    sample = _warn_small(results[0]["n"], results[0]["new_tokens"])
     rows = []
     for r in results[1:]:
         rows.append({"tau": r["tau"], metric: r[metric],
                      "relative_accuracy": (r[metric] / reference) if reference else (1.0 if r[metric] == 0 else None),
                      "mean_exit_layer": r["mean_exit_layer"], "tokens_per_s": r["tokens_per_s"],
-                     "weight_bytes_per_token": _bytes_at(model, r["mean_exit_layer"])})
+                     "new_tokens": r["new_tokens"], "max_answer_tokens": max((x["new_tokens"] for x in r["samples"]),
+                                                                             default=0),
+                     # mean over the decode steps taken, each at its own exit layer (tasks.step_bytes)
+                     "weight_bytes_per_token": r["weight_bytes_per_step"],
+                     "answers_without_decode_step": r["answers_without_decode_step"]})
     return {"measure": "relative_accuracy", "task": task, "metric": metric, "limit": limit, "budget": budget,
-            "unmodified": reference, "rows": rows, "chosen": _choose(rows, budget, "relative_accuracy")}
+            "new_tokens": new_tokens, "unmodified": reference, "sample": sample, "rows": rows,
+            "chosen": _choose(rows, budget, "relative_accuracy")}
 
 
-def _bytes_at(model, mean_exit_layer) -> float | None:
-    """Weight bytes of a decode step at the (fractional) mean exit layer, interpolated."""
-    if mean_exit_layer is None:
-        return None
-    lo = int(mean_exit_layer)
-    hi = min(lo + 1, model.river.num_layers)
-    a, b = model.river_step_bytes(lo), model.river_step_bytes(hi)
-    return a + (b - a) * (mean_exit_layer - lo)
+def _warn_small(prompts: int, reference_tokens: int) -> dict:
+    sample = sample_check(prompts, reference_tokens)
+    if sample["too_small"]:
+        warnings.warn(sample["warning"], UserWarning, stacklevel=3)
+    return sample
 
 
 def handler(args) -> int:
@@ -222,15 +273,22 @@ def handler(args) -> int:
         raise RiverError(f"--save {args.save} exists and is not empty; pick a new folder")
     start = time.perf_counter()
     model, tokenizer, _ = load_river_model(args.model, progress=not args.no_progress, **river_overrides(args))
-    new_tokens = args.new_tokens if args.task is None or args.new_tokens != 64 else 256
-    result = calibrate(model, tokenizer, taus, args.budget, prompts=prompts, task=args.task, limit=args.limit,
-                       data=args.data, new_tokens=new_tokens, progress=not args.no_progress)
+    new_tokens = args.new_tokens or (DEFAULT_NEW_TOKENS if args.task is None else DEFAULT_TASK_NEW_TOKENS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = calibrate(model, tokenizer, taus, args.budget, prompts=prompts, task=args.task, limit=args.limit,
+                           data=args.data, new_tokens=new_tokens, progress=not args.no_progress)
+    for w in caught:  # one clean stderr line each (the sample-size warning among them)
+        log(f"warning: {w.message}")
     measure = result["measure"]
     for r in result["rows"]:
         speed = r.get("decode_tokens_per_s", r.get("tokens_per_s"))
         exit_layer = "" if r["mean_exit_layer"] is None else f"{r['mean_exit_layer']:.1f}"
-        print(f"τ={r['tau']:<5g} {measure} {r[measure]:.3f}  mean exit layer {exit_layer}  weight MB/token "
-              f"{(r['weight_bytes_per_token'] or 0) / 1e6:.0f}  tokens/s {'' if speed is None else f'{speed:.1f}'}")
+        wb = r["weight_bytes_per_token"]
+        left = r.get("answers_without_decode_step", r.get("prompts_without_decode_step")) or 0
+        print(f"τ={r['tau']:<5g} {measure} {r[measure]:.3f}  mean exit layer {exit_layer}  weight MB/step "
+              f"{'n/a' if wb is None else f'{wb / 1e6:.0f}'}  tokens/s {'' if speed is None else f'{speed:.1f}'}"
+              + (f"  ({left} answer{'s' if left != 1 else ''} without a decode step left out of MB/step)" if left else ""))
     result.update(model=args.model, versions=versions(), wall_s=time.perf_counter() - start)
     write_json(report_path, result)
     chosen = result["chosen"]
