@@ -117,7 +117,10 @@ def test_cli_convert_measure_writes_measured_card(tmp_path, smollm2_path):
     assert main(["convert", smollm2_path, str(out), "--tau", "0.9", "--measure", "--measure-tokens", "3"]) == 0
     card = (out / "README.md").read_text()
     assert "Not measured" not in card and "tokens/s, River" in card and "next-token match" in card
-    assert (out / "tokenizer.json").is_file() and json.loads((out / "config.json").read_text())["river"]["tau"] == 0.9
+    cfg = json.loads((out / "config.json").read_text())
+    assert (out / "tokenizer.json").is_file() and cfg["river"]["tau"] == 0.9
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "GGUF Q4_1 file dequantized" in card
+    assert "_model_name_or_path" not in cfg  # the GGUF's own label ("... Instruct") is not carried over
 
 
 CHILD = textwrap.dedent(
@@ -275,7 +278,8 @@ def test_card_and_modeling_file_say_how_to_install_and_where_weights_come_from(t
     code = (tiny_river_folder / "modeling_river.py").read_text()
     for text in (card, code):
         assert "pip install river-hf" not in text
-        assert "not published on PyPI" in text and "pip install -e <path to the river-hf repository>" in text
+        assert "not published on PyPI" in text and "bash scripts/setup.sh" in text
+        assert "pip install <path to the river-hf checkout>" in text and "URL>" not in text and "git+" not in text
     assert "GGUF" not in card  # a random tiny model: no claim about its weights
     model = RiverForCausalLM.from_pretrained(str(tiny_river_folder), progress=False)
     model.config._name_or_path = "/cache/models/qwen2.5-coder-0.5b"
@@ -312,3 +316,54 @@ def test_a_lossless_folder_defaults_to_lossless(tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(plain).generate(ids, max_new_tokens=20, do_sample=False)
     assert torch.equal(auto.generate(ids, max_new_tokens=20, do_sample=False), ref)
     assert auto.river_stats["mode"] == "lossless" and auto.river_stats["lossless"]["drafted"] > 0
+
+
+# -- issue 21: the card says what is true ---------------------------------------------------------
+
+
+def test_card_follows_the_real_bits_and_describes_lossless_mode(tiny_river_folder):
+    import dataclasses
+
+    from river_hf.river.serialization import model_card
+
+    card = (tiny_river_folder / "README.md").read_text()  # backend "copy": no quantization at all
+    assert "full-precision exit copies" in card and "4-bit" not in card and "Lossless mode" not in card
+    model = RiverForCausalLM.from_pretrained(str(tiny_river_folder), progress=False)
+    model.river_config = dataclasses.replace(model.river_config, backend="int8", exit_head="int8")
+    card = model_card(model)
+    assert "as 8-bit exit copies" in card and "8-bit weights" in card and "8-bit quantized copy of the LM head" in card
+    assert "4-bit" not in card
+    model.river_config = dataclasses.replace(model.river_config, backend="int4", exit_head="copy", lossless=True)
+    card = model_card(model)
+    assert "as 4-bit exit copies" in card and "unquantized copy of the LM head" in card
+    assert "## Lossless mode" in card and "`lossless: true`" in card
+    assert "fp32 summation order of the multi-token verify passes" in card and "backbone's tokens" in card
+
+
+def test_converting_a_river_folder_again_keeps_base_model_title_and_gguf_note(tmp_path):
+    """A folder named after a registry key (as resolve makes) carries its provenance in config.json, so a
+    River folder converted again keeps base_model, the title and the GGUF note; the GGUF's own label
+    (_model_name_or_path) does not travel."""
+    plain = _tiny_folder(tmp_path)
+    registry_like = plain.rename(tmp_path / "qwen2.5-coder-0.5b")
+    model = RiverForCausalLM.from_pretrained(str(registry_like), backend="copy", exit_head=None, progress=False)
+    model.config._model_name_or_path = "Qwen2.5 Coder 0.5B Instruct AWQ"  # what a GGUF conversion left there
+    first = model.save_pretrained(tmp_path / "river-1")
+    assert model.config._model_name_or_path == "Qwen2.5 Coder 0.5B Instruct AWQ"  # the model itself unchanged
+    again = RiverForCausalLM.from_pretrained(str(first), progress=False)
+    second = again.save_pretrained(tmp_path / "river-2")
+    for folder in (first, second):
+        card = (folder / "README.md").read_text()
+        assert "base_model: Qwen/Qwen2.5-Coder-0.5B-Instruct" in card, folder
+        assert "# River-LLM early exit for Qwen/Qwen2.5-Coder-0.5B-Instruct" in card
+        assert "GGUF Q4_K_M file dequantized to fp32" in card and "RiverLlamaForCausalLM" not in card
+        cfg = json.loads((folder / "config.json").read_text())
+        assert "_model_name_or_path" not in cfg
+        assert cfg["river_source"] == {"base_model": "Qwen/Qwen2.5-Coder-0.5B-Instruct", "model_key": "qwen2.5-coder-0.5b"}
+    # a model of unknown origin: no claim, and the title names the plain architecture
+    unknown = RiverForCausalLM.from_pretrained(str(_tiny_folder(tmp_path / "other")), backend="copy", progress=False)
+    folder = RiverForCausalLM.from_pretrained(str(unknown.save_pretrained(tmp_path / "river-3")),
+                                              progress=False).save_pretrained(tmp_path / "river-4")
+    card = (folder / "README.md").read_text()
+    assert "# River-LLM early exit for LlamaForCausalLM" in card and "GGUF" not in card
+    assert "river_source" not in json.loads((folder / "config.json").read_text())

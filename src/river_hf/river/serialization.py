@@ -8,8 +8,11 @@ Folder layout written by ``model.save_pretrained(out)`` on a River model:
 * the base model's weights under their **original names** (``model.safetensors``): the folder
   also loads as the plain model (``AutoModelForCausalLM.from_pretrained(out)``);
 * ``config.json``: the base model's config plus ``"river"`` (the :class:`RiverConfig`: τ, exit
-  rules, quantization backend and bits, offload policy) and ``"auto_map"``
-  ``{"AutoModelForCausalLM": "modeling_river.River<Arch>ForCausalLM"}``;
+  rules, quantization backend and bits, offload policy), ``"auto_map"``
+  ``{"AutoModelForCausalLM": "modeling_river.River<Arch>ForCausalLM"}`` and, when known,
+  ``"river_source"`` (``{"base_model": Hub id, "model_key": registry key}``: where the base
+  weights come from, so converting the folder again keeps the card's base model and GGUF note);
+  a GGUF file's own label (``_model_name_or_path``) is not carried over;
 * ``modeling_river.py``: three lines importing that class from the installed river-hf, so
   ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`` and
   ``pipeline("text-generation", model=out, trust_remote_code=True)`` return a River model;
@@ -64,9 +67,13 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 #: How to get river-hf, which is not published on PyPI (said in modeling_river.py and the card).
 INSTALL_HINT = (
-    "river-hf is not published on PyPI: install it from its repository, "
-    "`pip install -e <path to the river-hf repository>` or `pip install git+<river-hf repository URL>`"
+    "river-hf is not published on PyPI: install it from a checkout of its repository, with "
+    "`bash scripts/setup.sh` in the checkout (a .venv with torch and river-hf) or "
+    "`pip install <path to the river-hf checkout>` into an environment that has torch"
 )
+
+#: config.json key recording where the base weights come from (see the module docstring).
+SOURCE_KEY = "river_source"
 
 _MODELING_TEMPLATE = '''"""River-LLM early exit for {arch} (written by river-hf).
 
@@ -141,22 +148,63 @@ def check_base_weights(path) -> None:
             )
 
 
-def _registry_entry(model):
-    """The offline registry entry (:data:`river_hf.models.REGISTRY`) the model was loaded from
-    (its key, or a folder named after its key, as :func:`river_hf.models.resolve` makes), or None."""
+def _source(model) -> dict:
+    """Where the base weights come from: ``{"base_model": Hub id or None, "model_key": registry key
+    or None}``. A model loaded from a River folder has it in its config (``river_source``, written
+    by :func:`save_river`); otherwise it is told from ``_name_or_path``: a model key, a folder named
+    after one (as :func:`river_hf.models.resolve` makes), or a Hub id."""
+    saved = getattr(model.config, SOURCE_KEY, None)
+    if isinstance(saved, dict):
+        key, base = saved.get("model_key"), saved.get("base_model")
+        return {"base_model": base if isinstance(base, str) and base else None,
+                "model_key": key if key in REGISTRY else None}
     name = str(getattr(model.config, "_name_or_path", "") or "")
-    return REGISTRY.get(Path(name.rstrip("/")).name)
+    entry = REGISTRY.get(Path(name.rstrip("/")).name)
+    if entry is not None:
+        return {"base_model": entry.hub_id, "model_key": entry.key}
+    hub_id = name if name.count("/") == 1 and not os.path.exists(name) else None
+    return {"base_model": hub_id, "model_key": None}
+
+
+def _registry_entry(model):
+    """The offline registry entry (:data:`river_hf.models.REGISTRY`) the base weights come from, or None."""
+    key = _source(model)["model_key"]
+    return REGISTRY[key] if key else None
 
 
 def _base_model_id(model) -> str | None:
-    """The Hub id of the base model, when it can be told (model key or Hub id)."""
-    entry = _registry_entry(model)
-    if entry is not None:
-        return entry.hub_id
-    name = str(getattr(model.config, "_name_or_path", "") or "")
-    if name.count("/") == 1 and not os.path.exists(name):
-        return name
-    return None
+    """The Hub id of the base model, when it can be told (model key, Hub id, or a River folder's record)."""
+    return _source(model)["base_model"]
+
+
+def _bits_phrase(quant: dict) -> str:
+    """How wide a backend's weights are, in the card's words: "4-bit", "8-bit", or "full-precision"
+    for the unquantized copy."""
+    bits = quant.get("bits")
+    return "full-precision" if not isinstance(bits, int) or bits >= 16 else f"{bits}-bit"
+
+
+def _lossless_section(rc) -> list[str]:
+    """Card lines on lossless mode, for a folder whose settings make it the default."""
+    if not rc.lossless:
+        return []
+    lookup = (f"; rounds whose last tokens occurred earlier draft up to {rc.prompt_lookup_tokens} tokens by prompt "
+              "lookup instead" if rc.prompt_lookup_tokens else "")
+    return [
+        "## Lossless mode",
+        "",
+        "This folder's settings have `lossless: true`, so `generate` and `pipeline` run River's lossless mode "
+        "by default: the exit path (the quantized exit layers and exit head) drafts tokens, and the backbone "
+        "verifies them in the same KV cache, through transformers' own assisted decoding "
+        f"(first round {rc.draft_tokens} draft(s), at most {rc.max_draft_tokens}, schedule "
+        f"`{rc.draft_schedule}`{lookup}). The output is the base model's own: greedy decoding gives the "
+        "backbone's tokens, sampling the same distribution, up to the fp32 summation order of the "
+        "multi-token verify passes (a pass over several tokens may add in another order than one-token "
+        "steps, which can flip a near-tie). It is faster only as far as the exit path is cheaper than the "
+        "backbone. `with model.river_mode(\"route\"):` runs lossy River instead, "
+        "`river_mode(\"backbone\")` the unmodified model.",
+        "",
+    ]
 
 
 def model_card(model, *, base_model: str | None = None, measurement: dict | None = None) -> str:
@@ -167,7 +215,10 @@ def model_card(model, *, base_model: str | None = None, measurement: dict | None
     were measured."""
     rc = model.river_config
     base_model = base_model or _base_model_id(model)
-    quant = rc.to_dict()["quantization"]
+    settings = rc.to_dict()
+    quant = settings["quantization"]
+    head = settings.get("exit_head_quantization")
+    lossless_row = "on by default (see below)" if rc.lossless else 'off (opt in: `model.river_mode("lossless")`)'
     lines = ["---"]
     lines.append(f"base_model: {base_model}" if base_model else "# base_model: unknown (converted from a local folder)")
     lines += [
@@ -179,11 +230,11 @@ def model_card(model, *, base_model: str | None = None, measurement: dict | None
         "- river-hf",
         "---",
         "",
-        f"# River-LLM early exit for {base_model or type(model).__name__}",
+        f"# River-LLM early exit for {base_model or base_class(type(model)).__name__}",
         "",
         "The base model's own weights, plus River-LLM settings: decoding leaves the backbone layers "
         "once the state transition similarity (cosine of a layer's input and output hidden state) "
-        "exceeds τ, and runs the remaining layers as 4-bit exit copies that share the KV cache.",
+        f"exceeds τ, and runs the remaining layers as {_bits_phrase(quant)} exit copies that share the KV cache.",
         "Exit layers are rebuilt from these weights at load (seconds).",
         "",
         f"Loading it with River needs river-hf installed in the same environment: {INSTALL_HINT}.",
@@ -193,11 +244,13 @@ def model_card(model, *, base_model: str | None = None, measurement: dict | None
         "|---|---|",
         f"| τ (tau) | {rc.tau} |",
         f"| min_layer | {rc.min_layer} |",
-        f"| exit layers | {quant['name']}, {quant['bits']}-bit weights, {quant['compute_dtype'] or 'model dtype'} activations |",
-        f"| exit head | {rc.exit_head + ' (quantized copy of the LM head, used by steps that left the backbone)' if rc.exit_head else 'none (the original LM head serves every step)'} |",
+        f"| exit layers | {quant['name']}, {_bits_phrase(quant)} weights, {quant['compute_dtype'] or 'model dtype'} activations |",
+        f"| exit head | {_exit_head_row(rc.exit_head, head)} |",
         f"| prefill | {rc.prefill} |",
         f"| backbone offload | {'layers ' + str(rc.offload_from) + '.. off the compute device' if rc.offload_from is not None else 'off'} |",
+        f"| lossless mode | {lossless_row} |",
         "",
+        *_lossless_section(rc),
         "## Usage",
         "",
         "```python",
@@ -234,6 +287,14 @@ def model_card(model, *, base_model: str | None = None, measurement: dict | None
             m.get("note", ""),
         ]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _exit_head_row(name: str | None, quant: dict | None) -> str:
+    if not name:
+        return "none (the original LM head serves every step)"
+    width = _bits_phrase(quant or {})
+    what = "unquantized copy" if width == "full-precision" else f"{width} quantized copy"
+    return f"{name} ({what} of the LM head, used by steps that left the backbone)"
 
 
 def _weights_note(model) -> list[str]:
@@ -284,11 +345,15 @@ _MISSING = object()
 
 @contextlib.contextmanager
 def _config_attributes(config, **values):
-    """Within the block ``config`` has the given attributes; afterwards each is as before (absent
-    again where it was absent), so a save does not leave River's ``auto_map`` on the model."""
+    """Within the block ``config`` has the given attributes (a value of ``_MISSING``: the attribute
+    is absent); afterwards each is as before (absent again where it was absent), so a save does not
+    leave River's ``auto_map`` on the model."""
     old = {k: config.__dict__.get(k, _MISSING) for k in values}
     for k, v in values.items():
-        setattr(config, k, v)
+        if v is _MISSING:
+            config.__dict__.pop(k, None)
+        else:
+            setattr(config, k, v)
     try:
         yield config
     finally:
@@ -314,6 +379,10 @@ def save_river(model, save_directory, *, card: str | None = None, tokenizer=None
     Returns:
         The folder. Offloaded backbone layers are read back for the save (the whole model is
         resident while saving).
+
+    Raises:
+        RiverError: the disk (or quota) is full; the temporary folder is removed first, so nothing
+            of this save is left behind and an existing folder keeps its files.
     """
     out = Path(save_directory)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -322,7 +391,10 @@ def save_river(model, save_directory, *, card: str | None = None, tokenizer=None
         settings = dataclasses.replace(model.river_config, offload_dir=None).to_dict()
         base = base_class(type(model))
         auto_map = {"AutoModelForCausalLM": f"{Path(MODELING_FILE).stem}.River{base.__name__}"}
-        with _plain_view(model), _config_attributes(model.config, river=settings, auto_map=auto_map):
+        source = _source(model)
+        extra = {SOURCE_KEY: source if any(source.values()) else _MISSING,
+                 "_model_name_or_path": _MISSING}  # a GGUF's label ("... AWQ"), not where these weights are
+        with _plain_view(model), _config_attributes(model.config, river=settings, auto_map=auto_map, **extra):
             base.save_pretrained(model, tmp, **save_kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -330,10 +402,33 @@ def save_river(model, save_directory, *, card: str | None = None, tokenizer=None
             _MODELING_TEMPLATE.format(arch=base.__name__, name=f"River{base.__name__}", install=INSTALL_HINT))
         (tmp / "README.md").write_text(card if card is not None else model_card(model))
         _replace_dir(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(e):
+            try:
+                free = f"{shutil.disk_usage(out.parent).free / 1e9:.2f} GB free there now"
+            except OSError:
+                free = "free space unknown"
+            raise RiverError(
+                f"cannot save the River folder {str(out)!r}: no space left on the disk that holds it ({free}; "
+                "the folder needs about the base model's weight size); free some space or save to another disk. "
+                "Nothing of this save was left behind"
+            ) from None
         raise
     return out
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether ``e`` says the disk or the user's quota is full: an ``OSError`` (ENOSPC, EDQUOT) or
+    safetensors' ``SafetensorError``, which wraps the same I/O error in its message."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return True
+    if type(e).__name__ == "SafetensorError":
+        text = str(e)
+        return any(m in text for m in ("No space left", "StorageFull", "Disk quota", "QuotaExceeded", "code: 28"))
+    return False
 
 
 def _is_base_weight_file(name: str) -> bool:
