@@ -77,13 +77,29 @@ def test_diffuse_subprocess_help_and_error():
     assert r.returncode == 2 and "river-hf: error:" in r.stderr
 
 
-def test_diffuse_model_without_lm_head_is_one_error(tmp_path, capsys):
-    """A folder holding a plain causal LM loads through AutoModel without its head: one error, exit 2."""
+def test_diffuse_on_a_causal_lm_folder_is_one_line_before_any_load(tmp_path, capfd):
+    """A folder holding a plain causal LM is refused from its config, before transformers loads it
+    (no load report, no progress bar): stderr (at the file-descriptor level) is the one error line."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    assert main(["diffuse", "--model", str(tmp_path), *SMALL, "--mask-id", "127", "--no-cache", "--json"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("river-hf: error:") and "no LM head" in err
+    capfd.readouterr()
+    for extra in ([], ["--mask-id", "127"]):
+        assert main(["diffuse", "--model", str(tmp_path), *SMALL, *extra, "--no-cache", "--json"]) == 2
+        err = capfd.readouterr().err
+        assert err.startswith("river-hf: error:") and err.count("\n") == 1, err
+        assert "'llama' model (LlamaForCausalLM), not a masked-diffusion LM" in err
+
+
+def test_diffuse_folder_without_mask_id_is_refused_before_loading(tmp_path, capfd):
+    from river_hf.diffusion import build_test_model
+
+    model = build_test_model("llada", "tiny", seed=7)
+    model.config.mask_token_id = None
+    model.save_pretrained(tmp_path)
+    capfd.readouterr()
+    assert main(["diffuse", "--model", str(tmp_path), *SMALL, "--no-cache"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("river-hf: error:") and err.count("\n") == 1 and "pass --mask-id" in err, err

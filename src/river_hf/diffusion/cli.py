@@ -66,10 +66,14 @@ def _load(args):
 
     try:
         cfg = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-        try:
+    except (OSError, ValueError) as e:
+        raise RiverError(f"cannot load a model from {args.model}: {e}".splitlines()[0]) from None
+    remote = _check_diffusion_config(args, cfg)
+    try:
+        if remote:  # the folder's own code (LLaDA's auto_map names AutoModel, whose class has the LM head)
+            model = AutoModel.from_pretrained(args.model, config=cfg, trust_remote_code=True)
+        else:
             model = AutoModelForMaskedLM.from_pretrained(args.model, config=cfg, trust_remote_code=args.trust_remote_code)
-        except ValueError:
-            model = AutoModel.from_pretrained(args.model, config=cfg, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
         raise RiverError(f"cannot load a model from {args.model}: {e}".splitlines()[0]) from None
     model = model.to(torch.float32).eval()
@@ -79,6 +83,41 @@ def _load(args):
     except (OSError, ValueError, TypeError):
         pass
     return model, tok
+
+
+def _check_diffusion_config(args, cfg) -> bool:
+    """Refuse, from the config alone (before any weight is read, so transformers prints no load
+    report), a folder that holds no masked-diffusion LM: a model with neither a masked-LM head class
+    in transformers nor its own code, or one with no [MASK] id while ``--mask-id`` is not given.
+
+    Returns:
+        True when the model loads through the folder's own ``AutoModel`` code (``auto_map``, with
+        ``--trust-remote-code``), False for ``AutoModelForMaskedLM``.
+
+    Raises:
+        RiverError: naming the model type and what to pass instead.
+    """
+    from transformers import AutoModelForMaskedLM, GenerationConfig
+
+    auto_map = getattr(cfg, "auto_map", None) or {}
+    remote = bool(args.trust_remote_code) and "AutoModelForMaskedLM" not in auto_map and "AutoModel" in auto_map
+    masked = "AutoModelForMaskedLM" in auto_map or type(cfg) in AutoModelForMaskedLM._model_mapping
+    kind = f"a {getattr(cfg, 'model_type', None)!r} model ({', '.join(getattr(cfg, 'architectures', None) or []) or 'no architectures'})"
+    if not (masked or remote):
+        raise RiverError(
+            f"{args.model} holds {kind}, not a masked-diffusion LM: transformers has no masked-LM class for it "
+            "and the folder brings no code of its own; pass a LLaDA- or Dream-layout folder (with "
+            "--trust-remote-code for their own code) or a test model (" + ", ".join(TEST_MODELS) + ")"
+        )
+    if args.mask_id is None and getattr(cfg, "mask_token_id", None) is None:
+        try:
+            gen_mask = getattr(GenerationConfig.from_pretrained(args.model), "mask_token_id", None)
+        except (OSError, ValueError):
+            gen_mask = None  # no generation_config.json
+        if gen_mask is None:
+            raise RiverError(f"{args.model} holds {kind} with no mask_token_id in its config or generation_config; "
+                             "pass --mask-id (LLaDA 126336, Dream 151666), or use a masked-diffusion LM")
+    return remote
 
 
 def _check_args(args) -> None:
