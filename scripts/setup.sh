@@ -4,19 +4,30 @@
 # multi-GB CUDA build; for the CPU build set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # (or any other torch index). No other index is contacted unless asked for.
 # Idempotent: once torch 2.13.0 is installed a rerun asks no index about it and only checks river-hf.
+# Each step says what it does (one line, on stderr) before it starts: pip runs quietly and a torch
+# download can take minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
+say() { echo "[setup] $*" >&2; }
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $("$PY" --version 2>&1) ..."
   "$PY" -m venv .venv
+else
+  say "using the existing .venv"
 fi
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 if .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('torch').split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  :  # torch 2.13.0 already installed (whichever build): keep it
+  say "torch $TORCH_VERSION is already installed: kept"
 elif [ -n "${TORCH_INDEX_URL:-}" ]; then
+  say "installing torch $TORCH_VERSION from $TORCH_INDEX_URL (a large download: this can take minutes) ..."
   "${PIP[@]}" --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
 else
+  say "installing torch $TORCH_VERSION from pip's configured index (on Linux x86-64 PyPI serves a multi-GB CUDA" \
+      "build: this can take many minutes; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU build) ..."
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
+say "installing river-hf (editable), its dependencies (transformers, optimum-quanto, ...) and the test and eval extras (pytest, datasets, ...) ..."
 "${PIP[@]}" -e ".[dev]"
+say "done: .venv/bin/river-hf and .venv/bin/python -m pytest are ready"
