@@ -11,9 +11,11 @@ from .models import resolve
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    **{name: ".river" for name in ("RiverCache", "RiverConfig", "RiverForCausalLM", "enable_river", "disable_river")},
+    **{name: ".river" for name in ("RiverCache", "RiverConfig", "RiverForCausalLM", "enable_river", "disable_river",
+                                        "plain_model")},
     **{name: "." + name for name in ("river", "stitch", "diffusion", "eval")},  # river_hf.stitch.generate, ...
 }
-__all__ = ["RiverCache", "RiverConfig", "RiverForCausalLM", "RiverError", "enable_river", "disable_river", "resolve",
+__all__ = ["RiverCache", "RiverConfig", "RiverForCausalLM", "RiverError", "enable_river", "disable_river", "plain_model",
+           "resolve",
            "__version__"]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -134,6 +134,42 @@ def onednn_available() -> bool:
         return False
 
 
+_SAMPLE = 256  # weight elements compared per packed weight by PrepackedLinear.refresh
+
+
+class _Packed:
+    """One packed weight and what it was packed from: the tensor, its version counter, its storage
+    address and shape, and a strided sample of its values (see :meth:`PrepackedLinear.refresh`)."""
+
+    __slots__ = ("weight", "version", "ptr", "shape", "index", "sample", "packed")
+
+    def __init__(self, weight: torch.Tensor, rows_hint: int):
+        w = weight.detach()
+        self.weight = weight
+        self.version = weight._version
+        self.ptr = weight.data_ptr()
+        self.shape = tuple(weight.shape)
+        n = w.numel()
+        self.index = torch.linspace(0, n - 1, min(n, _SAMPLE)).long()
+        self.sample = w.reshape(-1)[self.index].clone()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
+
+    def fresh(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` still holds the values this copy was packed from: the same tensor
+        object, version counter, storage and shape (cheap; checked on every call) and, since an
+        in-place change through ``weight.data`` bypasses the version counter (PEFT's merge does
+        that), the same values at the sampled positions."""
+        return (self.weight is weight and weight._version == self.version and weight.data_ptr() == self.ptr
+                and tuple(weight.shape) == self.shape
+                and torch.equal(weight.detach().reshape(-1)[self.index], self.sample))
+
+
+def _packable(linear) -> bool:
+    w = getattr(linear, "weight", None)
+    return (w is not None and type(w) in _PLAIN and w.dtype == torch.float32 and w.device.type == "cpu"
+            and w.dim() == 2)
+
+
 class PrepackedLinear(TorchFunctionMode):
     """Compute fp32 CPU ``F.linear`` calls of 2..``max_rows`` rows with oneDNN on weights packed
     once, ahead of time, in its own blocked layout.
@@ -142,9 +178,17 @@ class PrepackedLinear(TorchFunctionMode):
     torch's ``F.linear`` (MKL sgemm) repacks the weight on every such call, so it streams weights
     at about half the speed of a one-token GEMV (measured on a 2-core Xeon with AMX, torch 2.13,
     896→4864: 26 GB/s at 1 row, 13.4 at 4, 8.7 at 8); oneDNN on a prepacked copy reads them at
-    21 GB/s at 4 rows, 15 at 8 (``benchmarks/verify_linear.py``) (:meth:`measure` times both on the machine at hand, and River's
-    lossless mode uses this mode only where it measured faster). The cost is a second copy of the
-    packed weights in memory (as many bytes as the fp32 weights).
+    21 GB/s at 4 rows, 15 at 8 (``benchmarks/verify_linear.py``) (:meth:`measure` times both on the
+    machine at hand, and River's lossless mode uses this mode only where it measured faster and the
+    copy fits in memory). The cost is a second copy of the packed weights in memory (as many bytes
+    as the fp32 weights, :attr:`packed_bytes`).
+
+    The packed copies follow the weights: a call reroutes only when the weight is still the tensor
+    it was packed from with the same version counter and storage (else it goes to ``F.linear``,
+    exact), and :meth:`refresh` (River runs it at the start of every lossless call) repacks every
+    weight whose tensor, version, storage, shape or sampled values changed since it was packed
+    (``load_state_dict``, ``param.data = ...``, a PEFT merge through ``weight.data``), and packs
+    Linears whose weight was replaced by a new Parameter.
 
     Args:
         linears: the ``nn.Linear`` modules whose weights are packed (fp32, on CPU; others skipped).
@@ -169,18 +213,38 @@ class PrepackedLinear(TorchFunctionMode):
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 2:
             raise ValueError(f"max_rows must be an int >= 2 (one row is already a fast GEMV), got {max_rows!r}")
         self.max_rows = max_rows
-        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        with torch.no_grad():
-            for linear in linears:
-                w = linear.weight
-                if type(w) in _PLAIN and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2:
-                    self._packed[id(w)] = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows_hint))
+        self.rows_hint = rows_hint
+        self._linears = [m for m in linears if _packable(m)]
+        self._packed: dict[int, _Packed] = {}
         self.calls_rerouted = 0
+        self.repacked = 0
+        self.refresh()
+        self.repacked = 0  # the first pack is not a repack
+
+    def refresh(self) -> int:
+        """Repack every weight that changed since it was packed (see the class docstring) and
+        drop copies of weights no longer in the Linears; returns how many weights were (re)packed.
+        Costs a read of ``_SAMPLE`` values per weight when nothing changed."""
+        packed: dict[int, _Packed] = {}
+        count = 0
+        with torch.no_grad():
+            for linear in self._linears:
+                if not _packable(linear):
+                    continue
+                w = linear.weight
+                entry = self._packed.get(id(w))
+                if entry is None or not entry.fresh(w):
+                    entry = _Packed(w, self.rows_hint)
+                    count += 1
+                packed[id(w)] = entry
+        self._packed = packed
+        self.repacked += count
+        return count
 
     @property
     def packed_bytes(self) -> int:
         """Bytes of the packed copies (the memory this mode adds)."""
-        return sum(w.numel() * w.element_size() for w, _ in self._packed.values())
+        return sum(e.packed.numel() * e.packed.element_size() for e in self._packed.values())
 
     def __len__(self) -> int:
         return len(self._packed)
@@ -192,12 +256,13 @@ class PrepackedLinear(TorchFunctionMode):
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             entry = self._packed.get(id(weight))
-            if (entry is not None and entry[0] is weight and type(x) in _PLAIN and x.dtype == torch.float32
+            if (entry is not None and entry.weight is weight and weight._version == entry.version
+                    and weight.data_ptr() == entry.ptr and type(x) in _PLAIN and x.dtype == torch.float32
                     and x.device.type == "cpu" and (bias is None or (bias.dtype == torch.float32 and type(bias) in _PLAIN))):
                 rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
                 if 2 <= rows <= self.max_rows:
                     self.calls_rerouted += 1
-                    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[1], bias, "none", [], "")
+                    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry.packed, bias, "none", [], "")
         return func(*args, **kwargs)
 
     @staticmethod

@@ -17,6 +17,7 @@ _EXPORTS = {
     "RiverForCausalLM": ".modeling",
     "enable_river": ".modeling",
     "disable_river": ".modeling",
+    "plain_model": ".plain",
 }
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "state_transition_similarity",
     "enable_river",
     "disable_river",
+    "plain_model",
     "default_config",
     "SUPPORTED_MODEL_TYPES",
 ]

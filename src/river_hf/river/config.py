@@ -96,6 +96,12 @@ class RiverConfig:
             verifies: the unmodified model's tokens; :mod:`river_hf.river.lossless`); a saved
             River folder and its pipeline then default to it. ``model.river_mode(...)`` overrides it.
         draft_tokens: lossless mode: drafts of the first round, k (>= 1).
+        max_draft_tokens: lossless mode: the most drafts one round may propose (>= ``draft_tokens``),
+            however many rounds in a row were fully accepted, so a verify pass never runs more than
+            ``max_draft_tokens + 1`` rows (the rows the prepacked verify kernel is used for). The
+            default 15 (16 verify rows) follows ``benchmarks/verify_linear.py``: at 16 rows a prepacked
+            896x4864 product reads its weights at half the one-row rate, so longer rounds cost more
+            per token than they save in drafts (docs/results/verify_linear.txt).
         draft_schedule: lossless mode: ``heuristic`` (k + 2 after a fully accepted round, k - 1
             otherwise, as transformers' ``num_assistant_tokens_schedule="heuristic"``) or
             ``constant``.
@@ -116,7 +122,7 @@ class RiverConfig:
 
     Raises (at construction):
         RiverError: τ not a number, ``min_layer`` < 1, unknown backend, prefill policy, strategy,
-            draft schedule or verify kernel, lossless with a baseline strategy, ``draft_tokens`` < 1, bad ``offload_from`` or rules.
+            draft schedule or verify kernel, lossless with a baseline strategy, ``draft_tokens`` < 1, ``max_draft_tokens`` < ``draft_tokens``, bad ``offload_from``, rules or ``kernel_choice``.
     """
 
     tau: float = 0.95
@@ -128,6 +134,7 @@ class RiverConfig:
     strategy: str = "river"
     lossless: bool = False
     draft_tokens: int = 4
+    max_draft_tokens: int = 15
     draft_schedule: str = "heuristic"
     prompt_lookup_tokens: int = 0
     verify_kernel: str = "auto"
@@ -153,6 +160,10 @@ class RiverConfig:
                              f"{self.strategy!r} (set lossless=false to run the baseline)")
         if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or self.draft_tokens < 1:
             raise RiverError(f"draft_tokens must be an integer >= 1, got {self.draft_tokens!r}")
+        if (isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int)
+                or self.max_draft_tokens < self.draft_tokens):
+            raise RiverError(f"max_draft_tokens must be an integer >= draft_tokens ({self.draft_tokens}), "
+                             f"got {self.max_draft_tokens!r}")
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise RiverError(f"draft_schedule must be one of {', '.join(DRAFT_SCHEDULES)}, got {self.draft_schedule!r}")
         if (isinstance(self.prompt_lookup_tokens, bool) or not isinstance(self.prompt_lookup_tokens, int)

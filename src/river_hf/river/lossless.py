@@ -60,6 +60,7 @@ class ExitPathDrafter(CandidateGenerator):
         logits_processor: the call's processors (warpers included); drafts are chosen from the
             scores they return, exactly as the verify pass processes the backbone's logits.
         draft_tokens: k of the first round (>= 1).
+        max_draft_tokens: the largest k the schedule may reach (>= ``draft_tokens``; default: no cap).
         schedule: one of :data:`DRAFT_SCHEDULES`.
         record: dict the statistics of the call are accumulated into (see :meth:`stats`).
         prompt_lookup_tokens: when > 0, each round first looks for the last tokens (an n-gram of
@@ -69,14 +70,15 @@ class ExitPathDrafter(CandidateGenerator):
             draft through the exit path. The backbone verifies both kinds alike.
 
     Raises:
-        RiverError: ``draft_tokens`` < 1 or an unknown ``schedule``.
+        RiverError: ``draft_tokens`` < 1, ``max_draft_tokens`` < ``draft_tokens`` or an unknown ``schedule``.
     """
 
     requires_model_outputs = True
     model_kwargs_overrides: dict = {}
 
     def __init__(self, model, generation_config, logits_processor, draft_tokens: int = 4,
-                 schedule: str = "heuristic", record: dict | None = None, prompt_lookup_tokens: int = 0):
+                 schedule: str = "heuristic", record: dict | None = None, prompt_lookup_tokens: int = 0,
+                 max_draft_tokens: int | None = None):
         if not isinstance(draft_tokens, int) or draft_tokens < 1:
             raise RiverError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
         if schedule not in DRAFT_SCHEDULES:
@@ -88,6 +90,9 @@ class ExitPathDrafter(CandidateGenerator):
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos = None if eos is None else set(torch.atleast_1d(eos).tolist())
         self.num_draft_tokens = draft_tokens
+        self.max_draft_tokens = max_draft_tokens if max_draft_tokens is not None else 1 << 30
+        if self.max_draft_tokens < draft_tokens:
+            raise RiverError(f"max_draft_tokens ({max_draft_tokens}) must be >= draft_tokens ({draft_tokens})")
         self.schedule = schedule
         self.record = record if record is not None else {}
         self.lookup = None
@@ -191,7 +196,7 @@ class ExitPathDrafter(CandidateGenerator):
         self.record["accepted"] += num_matches
         if self.schedule == "heuristic":
             if num_matches == self._drafted_now:
-                self.num_draft_tokens += 2
+                self.num_draft_tokens = min(self.num_draft_tokens + 2, self.max_draft_tokens)
             else:
                 self.num_draft_tokens = max(1, self.num_draft_tokens - 1)
 
@@ -207,7 +212,9 @@ class ExitPathDrafter(CandidateGenerator):
         ``tokens_per_verify`` (tokens emitted per verify pass of either kind, the bonus included),
         ``draft_seconds`` and ``verify_seconds`` (wall time spent drafting, and from the end of a
         draft to the round's acceptance: the verify forward, its logits processing and the
-        acceptance rule), ``mean_draft_exit_layer`` (mean exit layer of the draft passes).
+        acceptance rule), ``mean_draft_exit_layer`` (mean exit layer of the draft passes),
+        ``verify_kernel`` (the kernel the verify passes' backbone Linears ran on, why, and the memory
+        its packed copy adds: see :func:`verify_mode`).
         """
         rounds, drafted, accepted = record.get("rounds", 0), record.get("drafted", 0), record.get("accepted", 0)
         l_rounds, l_drafted, l_accepted = (record.get("lookup_rounds", 0), record.get("lookup_drafted", 0),
@@ -229,6 +236,7 @@ class ExitPathDrafter(CandidateGenerator):
             "draft_seconds": record.get("draft_seconds", 0.0),
             "verify_seconds": record.get("verify_seconds", 0.0),
             "mean_draft_exit_layer": sum(exits) / len(exits) if exits else None,
+            "verify_kernel": record.get("verify_kernel"),
         }
 
 
@@ -286,34 +294,118 @@ def cut_at_stop(out, stop_at: int | None, prompt_length: int):
 
 
 _PACK_LOCK = threading.Lock()
+PACK_MEMORY_SHARE = 0.5  # the packed copy may take at most this share of the memory available when it is built
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel says is available now (``MemAvailable`` of ``/proc/meminfo``, bytes), or
+    None where it cannot be read (then River does not pack)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _representative_shape(linears, head) -> tuple[int, int]:
+    """``(in_features, out_features)`` of the backbone Linear shape that holds the most weight bytes
+    in total (an MLP projection in every model here), the LM head left out: timing it costs a few
+    copies of one layer's product, not of a 0.5-3.7 GB head."""
+    totals: dict[tuple[int, int], int] = {}
+    for m in linears:
+        if m is head:
+            continue
+        shape = (m.in_features, m.out_features)
+        totals[shape] = totals.get(shape, 0) + m.weight.numel()
+    if not totals:
+        return head.in_features, head.out_features
+    return max(totals, key=totals.get)
 
 
 def verify_mode(model, choice: str, rows: int):
-    """The ``TorchFunctionMode`` the verify passes of ``model`` run in, or None (plain ``F.linear``).
+    """The ``TorchFunctionMode`` the verify passes of ``model`` run in (or None: plain ``F.linear``)
+    and a dict saying why (``model._river_verify_linear[1]``, reported in ``river_stats["lossless"]
+    ["verify_kernel"]``).
 
-    ``choice`` is ``RiverConfig.verify_kernel``. The prepacked weights are built once per model
-    (the first lossless call; as many bytes as the fp32 backbone Linears) and kept on it; ``auto``
-    measures ``F.linear`` against oneDNN on the largest backbone Linear shape at ``rows`` rows first
-    and packs only when oneDNN was faster (``RIVER_HF_AUTOTUNE=0``: no measurement, no packing).
+    ``choice`` is ``RiverConfig.verify_kernel``; ``rows`` the most rows a verify pass runs
+    (``max_draft_tokens + 1``). The decision is taken once per model (the first lossless call):
+
+    - ``torch``, no oneDNN in this torch, or no fp32 CPU backbone Linear: no packing.
+    - The packed copy (as many bytes as the fp32 backbone Linears, the LM head included) must fit:
+      it is built only when it takes at most :data:`PACK_MEMORY_SHARE` of the memory available
+      (``/proc/meminfo``) at that moment; otherwise plain ``F.linear`` is used and a warning says so,
+      for ``onednn`` too.
+    - ``auto`` first times ``F.linear`` against oneDNN on the backbone's most common Linear shape
+      (an MLP projection, not the LM head) at ``min(rows, 8)`` rows and packs only when oneDNN was
+      faster (``RIVER_HF_AUTOTUNE=0``: no measurement, no packing).
+
+    Every later call only :meth:`~river_hf.kernels.PrepackedLinear.refresh` es the copy: weights
+    changed since they were packed (``load_state_dict``, ``param.data = ...``, a PEFT merge) are
+    repacked, so a verify always computes with the model's current weights. Opt out with
+    ``RiverConfig(verify_kernel="torch")``.
+
+    Returns:
+        ``(mode or None, info)``; ``info`` has ``kernel`` (``onednn-prepacked`` or ``torch``),
+        ``why``, ``packed_bytes`` (memory the copy adds, bytes), ``timing_us`` (the measurement, or
+        None), ``shape`` (the timed ``in x out``), ``max_rows`` and ``repacked`` (weights repacked
+        by this call's refresh).
     """
-    if choice == "torch" or not onednn_available():
-        return None
+    info = {"kernel": "torch", "why": "", "packed_bytes": 0, "timing_us": None, "shape": None,
+            "max_rows": rows, "repacked": 0}
+    if choice == "torch":
+        return None, {**info, "why": "verify_kernel='torch'"}
+    if not onednn_available():
+        return None, {**info, "why": "this torch build has no oneDNN"}
     with _PACK_LOCK:
         cached = model.__dict__.get("_river_verify_linear")
         if cached is None:
-            from ..quant.autotune import default_tuner  # None when RIVER_HF_AUTOTUNE=0
-
-            linears = [m for m in model.river_backbone_modules() if isinstance(m, torch.nn.Linear)
-                       and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
-            pack = bool(linears) and choice == "onednn"
-            timing = None
-            if linears and choice == "auto" and default_tuner() is not None:
-                biggest = max(linears, key=lambda m: m.weight.numel())
-                timing = PrepackedLinear.measure(biggest.in_features, biggest.out_features, max(2, rows))
-                pack = timing["onednn"] < timing["torch"]
-            cached = (PrepackedLinear(linears) if pack else False, timing)
+            cached = _decide_verify_kernel(model, choice, rows, dict(info))
             model._river_verify_linear = cached
-        return cached[0] or None
+        mode, decided = cached
+        info = dict(decided)
+        if mode:
+            info["repacked"] = mode.refresh()
+            info["packed_bytes"] = mode.packed_bytes
+        return mode or None, info
+
+
+def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
+    import warnings
+
+    from ..quant.autotune import default_tuner, last_level_cache_bytes  # default_tuner(): None when RIVER_HF_AUTOTUNE=0
+
+    head = model.get_output_embeddings()
+    head = getattr(head, "backbone", head)
+    linears = [m for m in model.river_backbone_modules() if isinstance(m, torch.nn.Linear)
+               and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    if not linears:
+        return False, {**info, "why": "no fp32 CPU backbone Linear"}
+    need = sum(m.weight.numel() * 4 for m in linears)
+    available = available_memory_bytes()
+    if available is None or need > PACK_MEMORY_SHARE * available:
+        have = "unknown" if available is None else f"{available / 1e9:.1f} GB"
+        why = (f"a packed copy of the backbone Linears needs {need / 1e9:.2f} GB, more than "
+               f"{PACK_MEMORY_SHARE:.0%} of the memory available ({have}): verify passes use F.linear")
+        if choice == "onednn":
+            warnings.warn(f"River lossless verify_kernel='onednn': {why}", UserWarning, stacklevel=4)
+        return False, {**info, "why": why}
+    if choice == "auto":
+        if default_tuner() is None:
+            return False, {**info, "why": "RIVER_HF_AUTOTUNE=0: not measured, not packed"}
+        k_in, k_out = _representative_shape(linears, head)
+        timing = PrepackedLinear.measure(k_in, k_out, max(2, min(rows, 8)),
+                                         stream_bytes=min(2 * last_level_cache_bytes(), int(0.1 * available)))
+        info.update(timing_us=timing, shape=f"{k_in}x{k_out}")
+        if timing["onednn"] >= timing["torch"]:
+            return False, {**info, "why": "F.linear measured faster than prepacked oneDNN"}
+        info["why"] = "prepacked oneDNN measured faster than F.linear"
+    else:
+        info["why"] = "verify_kernel='onednn'"
+    mode = PrepackedLinear(linears, max_rows=max(2, rows))
+    return mode, {**info, "kernel": "onednn-prepacked", "packed_bytes": mode.packed_bytes}
 
 
 @contextlib.contextmanager
@@ -328,7 +420,7 @@ def lossless_call(model, record: dict):
     local = model.river._local
     old = local.lossless_record, local.verify_linear
     local.lossless_record = record
-    local.verify_linear = verify_mode(model, config.verify_kernel, config.draft_tokens + 1)
+    local.verify_linear, record["verify_kernel"] = verify_mode(model, config.verify_kernel, config.max_draft_tokens + 1)
     try:
         yield record
     finally:

@@ -380,7 +380,10 @@ class RiverForCausalLM:
         return sequence, a cache. When it cannot, the call runs on the backbone alone (warned
         once per model and reason). Refuses arguments, or generation-config settings, that bring
         another drafter."""
-        base = gen_config if gen_config is not None else self.generation_config
+        # the config transformers' generate will use: the call's config (or a fresh one) with the
+        # model's generation_config filling what it leaves unset, then the call's keyword arguments
+        base, _ = self._prepare_generation_config(
+            gen_config, **{k: v for k, v in kwargs.items() if k != "generation_config"})
         given = [k for k in _OTHER_DRAFTERS if kwargs.get(k) is not None or getattr(base, k, None) not in (None, False)]
         if given:
             raise RiverError(
@@ -389,9 +392,9 @@ class RiverForCausalLM:
                 "(model.river_mode('backbone') or 'route'); for prompt lookup inside lossless mode set "
                 "RiverConfig.prompt_lookup_tokens"
             )
-        beams = kwargs.get("num_beams") or getattr(base, "num_beams", None) or 1
-        returns = kwargs.get("num_return_sequences") or getattr(base, "num_return_sequences", None) or 1
-        use_cache = kwargs.get("use_cache", getattr(base, "use_cache", True))
+        beams = getattr(base, "num_beams", None) or 1
+        returns = getattr(base, "num_return_sequences", None) or 1
+        use_cache = getattr(base, "use_cache", True)
         batch = prompt.shape[0] if prompt is not None else 1
         reasons = [why for why, bad in (("a batch of %d sequences" % batch, batch > 1), ("num_beams=%d" % beams, beams > 1),
                                         ("num_return_sequences=%d" % returns, returns > 1),
@@ -418,7 +421,8 @@ class RiverForCausalLM:
             config = self.river_config
             return ExitPathDrafter(self, generation_config, logits_processor, draft_tokens=config.draft_tokens,
                                    schedule=config.draft_schedule, record=record,
-                                   prompt_lookup_tokens=config.prompt_lookup_tokens)
+                                   prompt_lookup_tokens=config.prompt_lookup_tokens,
+                                   max_draft_tokens=config.max_draft_tokens)
         return super()._get_candidate_generator(
             generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
             logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
