@@ -156,12 +156,162 @@ def test_lossless_from_the_config_round_trips(tmp_path):
 
 
 def test_lossless_verify_kernels_give_the_same_tokens():
+    from river_hf.kernels import onednn_available
+
     base = tiny_model("llama")
     ids = prompt()
     ref = base.generate(ids, max_new_tokens=30, **GEN)
     for kernel in ("torch", "onednn"):
         river = river_copy(base, config=RiverConfig(lossless=True, verify_kernel=kernel))
         assert torch.equal(river.generate(ids, max_new_tokens=30, **GEN), ref)
+        info = river.river_stats["lossless"]["verify_kernel"]
+        mode = river.__dict__.get("_river_verify_linear", (None,))[0]
+        if kernel == "onednn" and onednn_available():
+            # the packed kernel really ran the verify passes' backbone Linears, and says what it costs
+            assert info["kernel"] == "onednn-prepacked" and mode and mode.calls_rerouted > 0
+            assert info["packed_bytes"] == sum(m.weight.numel() * 4 for m in river.river_backbone_modules()
+                                               if isinstance(m, torch.nn.Linear))
+        else:
+            assert info["kernel"] == "torch" and info["packed_bytes"] == 0 and not mode
+
+
+def _other_weights(model, seed):
+    torch.manual_seed(seed)
+    other = AutoModelForCausalLM.from_config(model.config).eval()
+    other.generation_config.pad_token_id = 0
+    return other
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "assign_data", "inplace_data"])
+def test_lossless_after_a_weight_change_equals_the_plain_model_with_the_new_weights(how):
+    """The verify kernel packs the backbone's weights once; a later change of the weights
+    (load_state_dict, ``param.data = ...``, an in-place change through ``.data`` as PEFT's merge
+    does, which the version counter does not see) must be verified with the new weights."""
+    from river_hf.kernels import onednn_available
+
+    if not onednn_available():
+        pytest.skip("no oneDNN in this torch: nothing is packed")
+    base = tiny_model("llama")
+    river = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="onednn"))
+    ids = prompt()
+    assert torch.equal(river.generate(ids, max_new_tokens=20, **GEN), base.generate(ids, max_new_tokens=20, **GEN))
+    new = _other_weights(base, seed=7)
+    target = river_hf_plain(river)
+    with torch.no_grad():
+        if how == "load_state_dict":
+            target.load_state_dict(new.state_dict())
+        else:
+            for (name, p), q in zip(target.named_parameters(), new.parameters()):
+                if how == "assign_data":
+                    p.data = q.detach().clone()
+                else:
+                    p.data.copy_(q.detach())  # bypasses p's version counter
+    ref = new.generate(ids, max_new_tokens=20, **GEN)
+    assert not torch.equal(ref, base.generate(ids, max_new_tokens=20, **GEN))  # the change matters
+    out = river.generate(ids, max_new_tokens=20, **GEN)
+    assert torch.equal(out, ref)
+    info = river.river_stats["lossless"]["verify_kernel"]
+    assert info["kernel"] == "onednn-prepacked" and info["repacked"] > 0
+    river.generate(ids, max_new_tokens=4, **GEN)
+    assert river.river_stats["lossless"]["verify_kernel"]["repacked"] == 0  # nothing changed since
+
+
+def river_hf_plain(river):
+    from river_hf import plain_model
+
+    return plain_model(river)
+
+
+def test_plain_model_shares_the_backbone_weights_and_gives_the_unmodified_tokens():
+    from river_hf import plain_model
+
+    for family in FAMILIES:
+        base = tiny_model(family)
+        river = river_copy(base, tau=0.5)
+        plain = plain_model(river)
+        assert type(plain) is type(base)
+        shared = {id(p) for p in river.parameters()}
+        assert all(id(p) in shared for p in plain.parameters())  # the same tensors: no second copy
+        ids = prompt(12)
+        assert torch.equal(plain.generate(ids, max_new_tokens=12, **GEN), base.generate(ids, max_new_tokens=12, **GEN))
+    with pytest.raises(RiverError, match="River model"):
+        plain_model(base)
+
+
+def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch):
+    from river_hf.kernels import PrepackedLinear, onednn_available
+    from river_hf.river import lossless
+
+    if not onednn_available():
+        pytest.skip("no oneDNN in this torch")
+    torch.manual_seed(0)  # a head (64x512) of another shape than the MLP's projections (64x96, 96x64)
+    base = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).eval()
+    base.generation_config.pad_token_id = 0
+    need = sum(m.weight.numel() * 4 for m in base.modules() if isinstance(m, torch.nn.Linear))
+    # too little memory: nothing packed, for 'onednn' a warning, and the reason in river_stats
+    monkeypatch.setattr(lossless, "available_memory_bytes", lambda: need)
+    river = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="onednn"))
+    with pytest.warns(UserWarning, match="needs .* GB, more than 50%"):
+        river.generate(prompt(), max_new_tokens=8, **GEN)
+    info = river.river_stats["lossless"]["verify_kernel"]
+    assert info["kernel"] == "torch" and info["packed_bytes"] == 0 and "memory available" in info["why"]
+    # enough memory, 'auto': one measurement on the most common backbone shape (the MLP's), not the head
+    monkeypatch.setattr(lossless, "available_memory_bytes", lambda: 100 * need)
+    timed = []
+    monkeypatch.setattr(PrepackedLinear, "measure", staticmethod(
+        lambda i, o, rows, **kw: timed.append((i, o, rows)) or {"torch": 2.0, "onednn": 1.0}))
+    monkeypatch.delenv("RIVER_HF_AUTOTUNE", raising=False)
+    river = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="auto"))
+    river.generate(prompt(), max_new_tokens=8, **GEN)
+    head = base.get_output_embeddings()
+    assert len(timed) == 1 and timed[0][:2] != (head.in_features, head.out_features)
+    shapes = [(m.in_features, m.out_features) for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert timed[0][:2] == max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1]) == (64, 96)
+    info = river.river_stats["lossless"]["verify_kernel"]
+    assert info["kernel"] == "onednn-prepacked" and info["packed_bytes"] > 0 and info["shape"] == "%dx%d" % timed[0][:2]
+
+
+def test_draft_length_never_exceeds_max_draft_tokens(monkeypatch):
+    """``copy`` exit layers: every draft accepted, so the heuristic schedule grows k by 2 per round;
+    the cap holds it at max_draft_tokens (and the verify rows at max_draft_tokens + 1)."""
+    from river_hf.river.lossless import ExitPathDrafter
+
+    seen = []
+    original = ExitPathDrafter.update_candidate_strategy
+
+    def spy(self, input_ids, scores, num_matches):
+        seen.append(self._drafted_now)
+        return original(self, input_ids, scores, num_matches)
+
+    monkeypatch.setattr(ExitPathDrafter, "update_candidate_strategy", spy)
+    base = tiny_model("qwen2")
+    base.generation_config.eos_token_id = None
+    river = river_copy(base, backend="copy", config=RiverConfig(lossless=True, draft_tokens=2, max_draft_tokens=5))
+    ids = prompt(10)
+    out = river.generate(ids, max_new_tokens=40, **GEN)
+    assert torch.equal(out, base.generate(ids, max_new_tokens=40, **GEN))
+    assert max(seen) == 5 and seen.count(5) >= 3
+    assert river.river_stats["lossless"]["verify_kernel"]["max_rows"] == 6
+    with pytest.raises(RiverError, match="max_draft_tokens"):
+        RiverConfig(draft_tokens=4, max_draft_tokens=3)
+
+
+def test_lossless_decides_on_the_merged_generation_config():
+    """num_beams / num_return_sequences set on the model's generation_config are in force for a call
+    that passes its own GenerationConfig without them: the call must fall back to the backbone."""
+    from transformers import GenerationConfig
+
+    base = tiny_model("llama")
+    river = river_copy(base, config=RiverConfig(lossless=True))
+    river.generation_config.num_beams = 2
+    base.generation_config.num_beams = 2
+    ids = prompt()
+    ref = base.generate(ids, generation_config=GenerationConfig(max_new_tokens=6, do_sample=False))
+    with pytest.warns(UserWarning, match="num_beams=2"):
+        out = river.generate(ids, generation_config=GenerationConfig(max_new_tokens=6, do_sample=False))
+    assert torch.equal(out, ref) and river.river_stats["mode"] == "backbone"
 
 
 def test_lossless_with_prompt_lookup_rounds_equals_unmodified():
@@ -225,6 +375,67 @@ def test_lossless_sampling_matches_the_unmodified_distribution():
             drafted += river.river_stats["lossless"]["drafted"]
     assert 0 < accepted < drafted, "both acceptance and rejection must occur"
     assert _chi2_pvalue(counts, marginal) > 1e-3
+
+
+def test_lossless_sampling_with_three_drafts_and_top_k_top_p_matches_the_unmodified_distribution():
+    """Rounds of k = 3 exit-path drafts (constant schedule) under temperature, top-k and top-p: the
+    first verify round decides new tokens 2..4, so the 3rd and 4th new tokens come from chains of
+    accepted drafts, rejections and the residual distribution norm(max(p - q, 0)). Their exact
+    marginals under the unmodified model with the same processors, sum over t1..t3 of
+    p(t1) p(t2|t1) p(t3|t1 t2) [p(t4|t1 t2 t3)], are computed from the backbone over all 12^3
+    prefixes; 800 lossless samples must fit each (chi-square, p-value > 1e-3 each)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=12, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    base.generation_config.pad_token_id = 0
+    base.generation_config.eos_token_id = None
+    river = river_copy(base, config=RiverConfig(draft_tokens=3, max_draft_tokens=3, draft_schedule="constant"))
+    ids = torch.tensor([[3, 5, 7, 4]])
+    temperature, top_k, top_p = 3.0, 8, 0.9
+    warp = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)])
+    vocab = config.vocab_size
+
+    def next_p(prefixes):  # processed next-token distributions, float64 [n, vocab]
+        with torch.no_grad():
+            logits = base(prefixes).logits[:, -1].float()
+        return torch.softmax(warp(prefixes, logits), -1).double()
+
+    grid = torch.cartesian_prod(*[torch.arange(vocab)] * 3)  # all (t1, t2, t3)
+    p1 = next_p(ids)[0]
+    p2 = next_p(torch.cat([ids.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1))  # [t1, t2]
+    p3 = next_p(torch.cat([ids.repeat(vocab * vocab, 1), grid[::vocab, :2]], 1)).view(vocab, vocab, vocab)
+    p4 = next_p(torch.cat([ids.repeat(grid.shape[0], 1), grid], 1)).view(vocab, vocab, vocab, vocab)
+    joint3 = p1[:, None, None] * p2[:, :, None] * p3  # [t1, t2, t3]
+    marginal3 = joint3.sum((0, 1))
+    marginal4 = (joint3[..., None] * p4).sum((0, 1, 2))
+    for dist in (p2, p3, p4):  # top-k really removes tokens at every step
+        assert int((dist.reshape(-1, vocab) == 0).sum(-1).min()) >= vocab - top_k
+    counts3 = torch.zeros(vocab, dtype=torch.float64)
+    counts4 = torch.zeros(vocab, dtype=torch.float64)
+    # 5 new tokens: the first round's k = 3 is not cut by the length limit (max_length - cur_len - 1)
+    gen = dict(max_new_tokens=5, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+    accepted = drafted = outside = 0
+    sizes = set()
+    torch.manual_seed(1)
+    with river.river_mode("lossless"):
+        for _ in range(800):
+            out = river.generate(ids, **gen)
+            t1, t2, t3, t4 = out[0, ids.shape[1]:ids.shape[1] + 4].tolist()
+            outside += int(p2[t1, t2] == 0) + int(p3[t1, t2, t3] == 0) + int(p4[t1, t2, t3, t4] == 0)
+            counts3[t3] += 1
+            counts4[t4] += 1
+            ll = river.river_stats["lossless"]
+            accepted += ll["accepted"]
+            drafted += ll["drafted"]
+            sizes.add(ll["drafts_per_verify"])
+    assert 0 < accepted < drafted, "both acceptance and rejection must occur"
+    assert 3.0 in sizes  # the first verify round judged three drafts
+    assert outside == 0  # never a token that top-k / top-p removed after its prefix
+    assert _chi2_pvalue(counts3, marginal3) > 1e-3
+    assert _chi2_pvalue(counts4, marginal4) > 1e-3
 
 
 def test_lossless_sampling_is_reproducible_with_a_seed():
