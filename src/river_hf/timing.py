@@ -39,7 +39,7 @@ def stream_bandwidth(nbytes: int | None = None, repeats: int = 5, threads: int |
     """STREAM-like copy and triad bandwidth of this machine (GB/s, 1e9 bytes/s), torch ops.
 
     Three float32 arrays ``a``, ``b``, ``c`` of ``nbytes`` each (default: 4x the last-level cache,
-    at least 128 MiB, so every pass streams from memory); copy is ``c[:] = a`` (2 arrays moved per
+    at least 128 MiB, on a GPU 1 GiB, so every pass streams from memory); copy is ``c[:] = a`` (2 arrays moved per
     element), triad is ``a[:] = b + s * c`` (3 arrays), counted as STREAM counts them (no
     write-allocate traffic). Each figure is the best of ``repeats`` timed passes after one untimed
     pass (STREAM's rule). It runs at ``threads`` (default: torch's current thread count, i.e. the
@@ -52,8 +52,8 @@ def stream_bandwidth(nbytes: int | None = None, repeats: int = 5, threads: int |
 
     from .quant import last_level_cache_bytes
 
-    nbytes = nbytes or max(128 << 20, 4 * last_level_cache_bytes())
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    nbytes = nbytes or (1 << 30 if device == "cuda" else max(128 << 20, 4 * last_level_cache_bytes()))
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -283,7 +283,7 @@ class Comparison:
         lines.append(f"reference {self.reference!r}: {self.reference_kind or 'not stated by the caller'}")
         order = ("reference run next to each configuration (R A R B ...), order reversed every other round"
                  if self.interleaved else "alternating order")
-        lines.append(f"{self.repeats} rounds after a warm-up, {order}; median (min-max)")
+        lines.append(f"{self.repeats} timed round{'s' if self.repeats != 1 else ''}, {order}; median (min-max)")
         if triad:
             lines.append(stream_line(triad, self.stream_copy_gb_s, self.stream_threads))
         return "\n".join(lines)
