@@ -38,8 +38,9 @@ __all__ = ["TokenTimer", "Measurement", "stream_bandwidth", "memory_bandwidth_gb
 def stream_bandwidth(nbytes: int | None = None, repeats: int = 5, threads: int | None = None) -> dict:
     """STREAM-like copy and triad bandwidth of this machine (GB/s, 1e9 bytes/s), torch ops.
 
-    Three float32 arrays ``a``, ``b``, ``c`` of ``nbytes`` each (default: 4x the last-level cache,
-    at least 128 MiB, on a GPU 1 GiB, so every pass streams from memory); copy is ``c[:] = a`` (2 arrays moved per
+    Three float32 arrays ``a``, ``b``, ``c`` of ``nbytes`` each (default: twice the last-level cache,
+    at least 128 MiB and at most 1 GiB, so the three together are 6x the cache and every pass streams
+    from memory; on a GPU 1 GiB); copy is ``c[:] = a`` (2 arrays moved per
     element), triad is ``a[:] = b + s * c`` (3 arrays), counted as STREAM counts them (no
     write-allocate traffic). Each figure is the best of ``repeats`` timed passes after one untimed
     pass (STREAM's rule). It runs at ``threads`` (default: torch's current thread count, i.e. the
@@ -53,7 +54,7 @@ def stream_bandwidth(nbytes: int | None = None, repeats: int = 5, threads: int |
     from .quant import last_level_cache_bytes
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    nbytes = nbytes or (1 << 30 if device == "cuda" else max(128 << 20, 4 * last_level_cache_bytes()))
+    nbytes = nbytes or (1 << 30 if device == "cuda" else min(max(128 << 20, 2 * last_level_cache_bytes()), 1 << 30))
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
