@@ -210,9 +210,10 @@ def _lossless_section(rc) -> list[str]:
 def model_card(model, *, base_model: str | None = None, measurement: dict | None = None) -> str:
     """README.md text for a River folder: YAML front matter (``base_model``, ``library_name``,
     ``pipeline_tag``, ``tags``), how to install river-hf, where the weights come from (for the
-    offline registry: GGUF dequantized to fp32), the River settings, a usage snippet, and the figures of
-    ``measurement`` (as produced by ``river-hf convert --measure``) or a line saying that none
-    were measured."""
+    offline registry: GGUF dequantized to fp32; kept through re-conversion by ``river_source``), the
+    River settings with the real width of exit layers and exit head, a lossless-mode section when
+    the settings make it the default, a usage snippet, and the figures of ``measurement`` (as
+    produced by ``river-hf convert --measure``) or a line saying that none were measured."""
     rc = model.river_config
     base_model = base_model or _base_model_id(model)
     settings = rc.to_dict()
