@@ -118,63 +118,23 @@ def _unique(labels: list[str]) -> list[str]:
 
 
 def plain_reference(model):
-    """The plain transformers model behind a River model, without a copy of its weights.
-
-    An instance of the architecture's own class (e.g. ``Qwen2ForCausalLM``) built on the meta device
-    from ``model.config``, whose every parameter and buffer is then the River model's backbone
-    tensor of that name (the original decoder layers and LM head that River kept): the same
-    weights, no River wrapper, router or hook, no extra memory. Its ``generate`` is transformers'
-    own. Use it as the "unmodified" reference of a timing.
+    """The plain transformers model behind a River model, without a copy of its weights: the
+    architecture's own class whose parameters and buffers are the River model's backbone tensors
+    (:func:`river_hf.plain_model`), so no River wrapper, router or hook is on its path and its
+    ``generate`` is transformers' own. The "unmodified" reference of a timing.
 
     Raises:
-        RiverError: River is not enabled on ``model``, some backbone weights are offloaded (on the
-            meta device: time ``river_mode("backbone")`` instead, ``--reference backbone``), or a
-            tensor of the plain model has no counterpart.
+        RiverError: ``model`` is not a River model, or its backbone weights are offloaded (then
+            time ``river_mode("backbone")`` instead: ``--reference backbone``).
     """
-    import copy
+    from .river.plain import plain_model
 
-    import torch
-
-    from .river.arch import base_class
-    from .river.layer import RiverHead, RiverLayer
-    from .river.modeling import RiverForCausalLM
-
-    if not isinstance(model, RiverForCausalLM):
-        raise RiverError(f"plain_reference needs a River model, got {type(model).__name__}")
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(module, prefix):
-        if isinstance(module, (RiverLayer, RiverHead)):
-            module = module.backbone
-        for name, t in list(module._parameters.items()) + list(module._buffers.items()):
-            if t is not None:
-                tensors[prefix + name] = t
-        for name, child in module._modules.items():
-            if child is not None:
-                walk(child, f"{prefix}{name}.")
-
-    walk(model, "")
-    offloaded = [n for n, t in tensors.items() if t.device.type == "meta"]
-    if offloaded:
-        raise RiverError(f"the River model's backbone weights are offloaded ({offloaded[0]}, ...): a plain copy "
-                         "would have to load them; time the River model in backbone mode instead (--reference backbone)")
-    config = copy.deepcopy(model.config)
-    with torch.device("meta"):
-        plain = base_class(type(model))(config)
-    for mod_name, module in plain.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        for store in (module._parameters, module._buffers):
-            for name, t in store.items():
-                if t is None:
-                    continue
-                src = tensors.get(prefix + name)
-                if src is None or src.shape != t.shape:
-                    raise RiverError(f"plain_reference: the River model has no backbone tensor {prefix + name!r} of "
-                                     f"shape {tuple(t.shape)}; time it with --reference backbone")
-                store[name] = src
-    plain.generation_config = copy.deepcopy(model.generation_config)
+    try:
+        plain = plain_model(model)
+    except RiverError as e:
+        raise RiverError(f"{e}; or time the River model in backbone mode as the reference (--reference backbone)") \
+            from None
     plain.generation_config.__dict__.pop("river_tau", None)
-    plain.eval()
     return plain
 
 
