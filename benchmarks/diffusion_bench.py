@@ -292,8 +292,8 @@ def write_results(args, model, rows, info, timer: dict | None = None) -> None:
         " be held to; layer = decoder layers only. Overhead share = 1 - wall speedup / FLOPs ratio.",
         "",
         f"Steps/s next to the weight bytes they read (every step reads all weights but the embedding table:"
-        f" {info['step_weight_bytes'] / 1e9:.2f} GB) as a share of this machine's measured read bandwidth"
-        f" ({info['bandwidth_gb_s']:.1f} GB/s, `river_hf.timing.memory_bandwidth_gb_s`).",
+        f" {info['step_weight_bytes'] / 1e9:.2f} GB) as a share of this machine's STREAM triad GB/s"
+        f" ({info['bandwidth_gb_s']:.1f} GB/s, `river_hf.timing.stream_bandwidth`: a sustained-bandwidth benchmark, not a limit).",
         "",
         "| run | wall s median [min-max] | speedup [range] | steps/s (weight GB/s, share) | CPU s median |"
         " whole-model FLOPs ratio (overhead share) | layer-FLOPs ratio (overhead share) |"
@@ -365,7 +365,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bandwidth-gb-s", type=float, default=None,
-                    help="this machine's read bandwidth in GB/s (default: measured, river_hf.timing.memory_bandwidth_gb_s)")
+                    help="this machine's STREAM triad GB/s (default: measured, river_hf.timing.stream_bandwidth)")
     ap.add_argument("--out", default=None,
                     help="output path without extension (default docs/results/diffusion_<layout><size>[_p<P>]_cpu)")
     args = ap.parse_args(argv)

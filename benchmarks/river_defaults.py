@@ -43,7 +43,7 @@ def join(bench_files, eval_files) -> list[dict]:
             points.setdefault(key, {})["bench"] = {
                 "file": str(path), "decode_tokens_per_s": r["decode_tokens_per_s"], "speedup": r["speedup"],
                 "verdict": r["verdict"], "ttft_s": r["ttft_s"]["median"], "weight_mb_per_step": r["weight_bytes_per_token"] / 1e6,
-                "bandwidth_share": r.get("bandwidth_share"), "mean_exit_layer": r["mean_exit_layer"],
+                "bandwidth_share": r.get("stream_triad_share", r.get("bandwidth_share")), "mean_exit_layer": r["mean_exit_layer"],
                 "next_token_match": r["next_token_match"]}
     for path in eval_files:
         report = json.loads(Path(path).read_text())

@@ -350,3 +350,18 @@ def test_strategy_settings_and_refusals(tmp_path):
     from river_hf import RiverForCausalLM
     loaded = RiverForCausalLM.from_pretrained(str(tmp_path / "saved"), progress=False)
     assert loaded.river_config.strategy == "state-propagation" and loaded.river.strategy.name == "state-propagation"
+
+
+def test_exit_mode_counts_the_exit_layers_bytes_whatever_strategy_is_set():
+    """river_mode("exit") runs every layer's exit copy and the exit head; a baseline strategy set for
+    route mode does not change what those passes read (it was counted as the baseline's bytes)."""
+    base = tiny_model("llama")
+    river = enable_river(copy.deepcopy(base), tau=0.9, backend="int4", progress=False)
+    ids = torch.randint(3, 200, (1, 8))
+    with river.river_mode("exit"):
+        river.generate(ids, max_new_tokens=6, do_sample=False)
+    assert river.river_stats["weight_bytes_per_token"] == river.river_step_bytes(0, "river")
+    for name in ("skipdecode", "recompute", "kv-mask", "state-propagation"):
+        with river.river_strategy(name), river.river_mode("exit"):
+            river.generate(ids, max_new_tokens=6, do_sample=False)
+        assert river.river_stats["weight_bytes_per_token"] == river.river_step_bytes(0, "river") != river.river_step_bytes(0, name)

@@ -37,7 +37,7 @@ from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_cla
 from .cache import RiverCache
 from .config import CONFIG_DIR, RiverConfig, check_tau, default_config, warn_if_negative_tau
 from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
-from .layer import BACKBONE_ONLY, LOSSLESS, MODES, ROUTE, RiverHead, RiverLayer, RiverRouter
+from .layer import BACKBONE_ONLY, EXIT_ONLY, LOSSLESS, MODES, ROUTE, RiverHead, RiverLayer, RiverRouter
 from .strategies import STRATEGIES, cache_of, get_strategy
 from .lossless import ExitPathDrafter, FirstStop, cut_at_stop, lossless_call
 from .offload import build_exit_layer, loading_kwargs, offload_backbone
@@ -568,7 +568,9 @@ class RiverForCausalLM:
             "new_tokens": new_tokens,
         }
         decode_tokens = new_tokens - batch
-        step_bytes = self._river_step_bytes[self.river.strategy.name if lossless is None else "river"]
+        # lossless drafts and exit mode run River's exit layers whatever strategy is set for route mode
+        runs_exit_layers = lossless is not None or self.river.mode == EXIT_ONLY
+        step_bytes = self._river_step_bytes["river" if runs_exit_layers else self.river.strategy.name]
         pass_bytes = sum(step_bytes[entry[2]] for entry in after)
         if after and decode_tokens > 0:
             stats["weight_bytes_per_token"] = pass_bytes / decode_tokens
