@@ -527,3 +527,31 @@ def test_river_cache_crop_follows_transformers():
     assert len(cache.exit_layers) == len(cache.step_tokens)
     with pytest.raises(ValueError, match="positive"):
         cache.crop(5)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "inplace_data"])
+def test_exit_layers_follow_a_weight_change(how):
+    """Route mode quantizes the backbone's weights into exit copies once; after the weights change
+    the exit path must be the one built from the new weights (the same tokens as River enabled on
+    the new weights), not the old copies."""
+    base = tiny_model("qwen2")
+    river = river_copy(base, tau=-2.0, exit_head="int4")  # every step leaves after 2 layers: exit copies decide
+    new = _other_weights(base, seed=11)
+    fresh = river_copy(new, tau=-2.0, exit_head="int4")
+    ids = prompt()
+    with river.river_mode("route"), fresh.river_mode("route"):
+        before = river.generate(ids, max_new_tokens=16, **GEN)
+        target = river_hf_plain(river)
+        with torch.no_grad():
+            if how == "load_state_dict":
+                target.load_state_dict(new.state_dict())
+            else:
+                for p, q in zip(target.parameters(), new.parameters()):
+                    p.data.copy_(q.detach())
+        ref = fresh.generate(ids, max_new_tokens=16, **GEN)
+        assert not torch.equal(ref, before)
+        out = river.generate(ids, max_new_tokens=16, **GEN)
+        assert torch.equal(out, ref)
+        assert river.river_stats["exit_copies_rebuilt"] == [f"layers.{i}" for i in range(4)] + ["lm_head"]
+        river.generate(ids, max_new_tokens=4, **GEN)
+        assert "exit_copies_rebuilt" not in river.river_stats

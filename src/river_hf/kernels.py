@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["SmallBatchLinear", "PrepackedLinear", "onednn_available"]
+__all__ = ["SmallBatchLinear", "PrepackedLinear", "WeightFingerprint", "onednn_available"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -137,31 +137,52 @@ def onednn_available() -> bool:
 _SAMPLE = 256  # weight elements compared per packed weight by PrepackedLinear.refresh
 
 
-class _Packed:
-    """One packed weight and what it was packed from: the tensor, its version counter, its storage
-    address and shape, and a strided sample of its values (see :meth:`PrepackedLinear.refresh`)."""
+class WeightFingerprint:
+    """What a derived copy of a weight (a packed or quantized copy) was made from: the tensor
+    object, its version counter, storage address, shape and dtype, and the values at
+    ``_SAMPLE`` evenly spaced positions.
 
-    __slots__ = ("weight", "version", "ptr", "shape", "index", "sample", "packed")
+    :meth:`matches` tells whether the weight still holds those values. The version counter catches
+    in-place changes through the tensor (``load_state_dict``, ``copy_``), the storage address
+    ``param.data = ...``; an in-place change through ``param.data`` (PEFT's merge does that)
+    bypasses the version counter, which the sampled values catch (a merged LoRA delta is dense).
+    Costs one gather of ``_SAMPLE`` values.
+    """
 
-    def __init__(self, weight: torch.Tensor, rows_hint: int):
+    __slots__ = ("weight", "version", "ptr", "shape", "dtype", "index", "sample")
+
+    def __init__(self, weight: torch.Tensor):
         w = weight.detach()
         self.weight = weight
         self.version = weight._version
         self.ptr = weight.data_ptr()
         self.shape = tuple(weight.shape)
+        self.dtype = weight.dtype
         n = w.numel()
-        self.index = torch.linspace(0, n - 1, min(n, _SAMPLE)).long()
+        self.index = torch.linspace(0, max(n - 1, 0), min(n, _SAMPLE), device=w.device).long()
         self.sample = w.reshape(-1)[self.index].clone()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
+
+    def same_tensor(self, weight: torch.Tensor) -> bool:
+        """The cheap part (no read of values): same object, version counter and storage."""
+        return self.weight is weight and weight._version == self.version and weight.data_ptr() == self.ptr
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` still holds the values the fingerprint was taken of (see the class)."""
+        return (self.same_tensor(weight) and tuple(weight.shape) == self.shape and weight.dtype == self.dtype
+                and torch.equal(weight.detach().reshape(-1)[self.index], self.sample))
+
+
+class _Packed(WeightFingerprint):
+    """One packed weight and the :class:`WeightFingerprint` of what it was packed from."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, weight: torch.Tensor, rows_hint: int):
+        super().__init__(weight)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
 
     def fresh(self, weight: torch.Tensor) -> bool:
-        """Whether ``weight`` still holds the values this copy was packed from: the same tensor
-        object, version counter, storage and shape (cheap; checked on every call) and, since an
-        in-place change through ``weight.data`` bypasses the version counter (PEFT's merge does
-        that), the same values at the sampled positions."""
-        return (self.weight is weight and weight._version == self.version and weight.data_ptr() == self.ptr
-                and tuple(weight.shape) == self.shape
-                and torch.equal(weight.detach().reshape(-1)[self.index], self.sample))
+        return self.matches(weight)
 
 
 def _packable(linear) -> bool:
@@ -256,8 +277,7 @@ class PrepackedLinear(TorchFunctionMode):
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             entry = self._packed.get(id(weight))
-            if (entry is not None and entry.weight is weight and weight._version == entry.version
-                    and weight.data_ptr() == entry.ptr and type(x) in _PLAIN and x.dtype == torch.float32
+            if (entry is not None and entry.same_tensor(weight) and type(x) in _PLAIN and x.dtype == torch.float32
                     and x.device.type == "cpu" and (bias is None or (bias.dtype == torch.float32 and type(bias) in _PLAIN))):
                 rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
                 if 2 <= rows <= self.max_rows:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 import warnings
 
@@ -40,7 +41,7 @@ from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSi
 from .layer import BACKBONE_ONLY, EXIT_ONLY, LOSSLESS, MODES, ROUTE, RiverHead, RiverLayer, RiverRouter
 from .strategies import STRATEGIES, cache_of, get_strategy
 from .lossless import ExitPathDrafter, FirstStop, cut_at_stop, lossless_call
-from .offload import build_exit_layer, loading_kwargs, offload_backbone
+from .offload import build_exit_layer, is_offloaded, loading_kwargs, offload_backbone
 from .serialization import check_base_weights, save_river, saved_river_config
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "CONFIG_DIR",
 ]
 
+_REBUILD_LOCK = threading.Lock()  # one rebuild of exit copies at a time
 _KEEP = object()  # "not given" for settings where None is a value (exit_head=None: no exit head)
 
 #: ``from_pretrained`` arguments that also apply to reading the config (``AutoConfig``).
@@ -62,7 +64,8 @@ _HUB_KWARGS = ("revision", "token", "trust_remote_code", "cache_dir", "local_fil
 
 #: Attributes ``enable_river`` puts on the model (``disable_river`` removes them).
 _RIVER_ATTRIBUTES = ("river", "river_config", "river_build_seconds", "river_kernel_report",
-                     "_river_step_bytes", "_river_hooks", "_river_verify_linear", "_river_warned_lossless_batch")
+                     "_river_step_bytes", "_river_hooks", "_river_verify_linear", "_river_warned_lossless_batch",
+                     "_river_prints")
 
 #: ``generate`` arguments that bring their own drafter or decoding loop (refused in lossless mode).
 _OTHER_DRAFTERS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate", "use_mtp",
@@ -334,6 +337,7 @@ class RiverForCausalLM:
                 ``assistant_model``, ``prompt_lookup_num_tokens``, ``assistant_early_exit`` or
                 ``custom_generate`` (they would replace River's drafter).
         """
+        rebuilt = self.river_refresh_exit_layers() if self.river.mode != BACKBONE_ONLY else []
         gen_config = kwargs.get("generation_config")
         if gen_config is None and len(args) > 1 and isinstance(args[1], GenerationConfig):
             gen_config = args[1]
@@ -372,8 +376,50 @@ class RiverForCausalLM:
                                    lossless=record if lossless else None)
         stats["mode"] = mode
         stats["strategy"] = self.river.strategy.name
+        if rebuilt:
+            stats["exit_copies_rebuilt"] = rebuilt  # the backbone's weights had changed since they were built
         self.river.remember(stats)
         return out
+
+    def river_refresh_exit_layers(self) -> list[str]:
+        """Rebuild the exit copy of every backbone layer, and the exit head, whose weights changed
+        since the copy was made (``load_state_dict``, ``param.data = ...``, an in-place change such
+        as a PEFT merge; see :class:`~river_hf.kernels.WeightFingerprint`), so the exit path always
+        quantizes the model's current weights. ``generate`` calls it first in every mode but
+        ``backbone``; it costs one gather of 256 values per backbone Linear when nothing changed.
+        Rebuilt copies use the kernels of ``river_config.kernel_choice`` (nothing is measured).
+
+        Returns:
+            The names rebuilt (``"layers.3"``, ``"lm_head"``), empty when nothing changed.
+        """
+        prints = self.__dict__.get("_river_prints")
+        if not prints:
+            return []
+        from ..kernels import WeightFingerprint
+
+        changed = [i for i, pairs in prints["layers"].items() if any(not fp.matches(m.weight) for m, fp in pairs)]
+        head = prints["head"]
+        head_changed = head is not None and not head[1].matches(head[0].weight)
+        if not changed and not head_changed:
+            return []
+        config = self.river_config
+        plan = KernelPlan(None, config.kernel_choice)
+        _, layers = decoder_stack(self)
+        rebuilt = []
+        with _REBUILD_LOCK, torch.no_grad():
+            for i in changed:
+                layer = layers[i]
+                exit_layer = get_backend(config.backend).build_layer(layer.backbone, plan, report=[], prefix=f"layers.{i}.")
+                layer.exit_layer = exit_layer.eval()
+                prints["layers"][i] = [(m, WeightFingerprint(m.weight)) for m in layer.backbone.modules()
+                                       if isinstance(m, nn.Linear)]
+                rebuilt.append(f"layers.{i}")
+            if head_changed:
+                river_head = self.get_output_embeddings()
+                river_head.exit_head, _ = get_backend(config.exit_head).build_linear(river_head.backbone, plan)
+                prints["head"] = (river_head.backbone, WeightFingerprint(river_head.backbone.weight))
+                rebuilt.append("lm_head")
+        return rebuilt
 
     def _can_draft(self, kwargs: dict, gen_config, prompt) -> bool:
         """Whether this lossless-mode call can draft and verify: one sequence, no beams, one
@@ -724,7 +770,25 @@ def enable_river(
     model.river_kernel_report = report
     model._river_step_bytes = step_bytes
     model._river_hooks = hooks
+    model._river_prints = _fingerprints(model, layers)
     return model
+
+
+def _fingerprints(model: nn.Module, layers) -> dict:
+    """:class:`~river_hf.kernels.WeightFingerprint` of every Linear weight the exit copies were built
+    from: ``{"layers": {i: [(linear, print), ...]}, "head": (linear, print) or None}`` (offloaded
+    backbones are left out: their weights are not in memory to change)."""
+    from ..kernels import WeightFingerprint
+
+    prints: dict = {"layers": {}, "head": None}
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RiverLayer) and not is_offloaded(layer.backbone):
+            prints["layers"][i] = [(m, WeightFingerprint(m.weight)) for m in layer.backbone.modules()
+                                   if isinstance(m, nn.Linear)]
+    head = model.get_output_embeddings()
+    if isinstance(head, RiverHead) and head.exit_head is not None:
+        prints["head"] = (head.backbone, WeightFingerprint(head.backbone.weight))
+    return prints
 
 
 def disable_river(model: nn.Module) -> nn.Module:
