@@ -18,6 +18,10 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 #: 5000-token prompt takes about a minute on a 2-core CPU).
 LONG_PREFILL_TOKENS = 1000
 
+#: What "unmodified" is in ``--compare`` (the timing table says it).
+BACKBONE_REFERENCE = ("River model in backbone mode (river_mode('backbone'): the same weights through River's "
+                      "wrappers and router)")
+
 #: Files of which a model folder's tokenizer needs at least one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
@@ -241,7 +245,7 @@ def _compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode="ro
     _say(progress, f"--compare: timing {label} and the unmodified model on {n} new tokens each: one untimed warm-up "
                    f"run of each, then {args.repeats} alternating round(s)")
     comparison = compare({label: timed(river_mode), "unmodified": timed("backbone")}, reference="unmodified",
-                         repeats=args.repeats, progress=progress)
+                         repeats=args.repeats, progress=progress, reference_kind=BACKBONE_REFERENCE)
     m = min(len(tokens), len(base_tokens))
     match = float((tokens[:m] == base_tokens[:m]).float().mean()) if m else 0.0
     river = comparison.row(label)
