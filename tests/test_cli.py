@@ -30,7 +30,7 @@ def test_generate_json_with_compare(smollm2_path):
     rows = {r["label"]: r for r in out["comparison"]["rows"]}
     assert rows["River"]["new_tokens"] == rows["unmodified"]["new_tokens"] == out["timed_new_tokens"]
     assert out["comparison"]["stream_triad_gb_s"] > 0
-    assert out["comparison"]["reference_kind"].startswith("River model in backbone mode")
+    assert out["comparison"]["reference_kind"].startswith("plain transformers model (LlamaForCausalLM")
     # The statistics are River's own answer's, not those of the unmodified answer or a timed run after it.
     assert out["stats"]["mode"] == "route" and out["baseline"]["stats"]["mode"] == "backbone"
     assert out["stats"]["new_tokens"] == out["new_tokens"] and out["exit_fraction"] == 0.0  # τ > 1 never exits

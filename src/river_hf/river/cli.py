@@ -221,6 +221,20 @@ def _generate(args, tau, *, progress: bool) -> int:
     return 0
 
 
+def _unmodified(model):
+    """The model ``--compare`` times as "unmodified" and how its table names it: the plain
+    transformers model on River's backbone tensors (:func:`river_hf.plain_model`, no copy), or,
+    where the backbone is offloaded (nothing in memory to share), River in backbone mode."""
+    from ..bench import REFERENCE_KINDS
+    from .plain import plain_model
+
+    try:
+        plain = plain_model(model)
+    except RiverError:
+        return model, BACKBONE_REFERENCE
+    return plain, REFERENCE_KINDS["plain"].format(cls=type(plain).__name__)
+
+
 def _compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode="route", label="River",
              progress=False) -> dict:
     """River (in ``river_mode``) and the unmodified model timed side by side (river_hf.timing.compare) on as many new
@@ -234,18 +248,20 @@ def _compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode="ro
     _say(progress, f"--compare: answering with the unmodified model ({int(tokens.shape[0])} tokens) for the token match")
     base_tokens, base_stats = answer("backbone", max_new_tokens=int(tokens.shape[0]))
 
-    def timed(mode):
+    def timed(mode, target=model):
         def run():
             with model.river_mode(mode):
-                return measure_generate(model, dict(inputs), **{**gen, "do_sample": False, "max_new_tokens": n,
-                                                                 "min_new_tokens": n})
+                return measure_generate(target, dict(inputs), **{**gen, "do_sample": False, "max_new_tokens": n,
+                                                                  "min_new_tokens": n})
         return run
+
+    plain, reference_kind = _unmodified(model)
 
     load_before = os.getloadavg()[0]
     _say(progress, f"--compare: timing {label} and the unmodified model on {n} new tokens each: one untimed warm-up "
                    f"run of each, then {args.repeats} alternating round(s)")
-    comparison = compare({label: timed(river_mode), "unmodified": timed("backbone")}, reference="unmodified",
-                         repeats=args.repeats, progress=progress, reference_kind=BACKBONE_REFERENCE)
+    comparison = compare({label: timed(river_mode), "unmodified": timed("backbone", plain)}, reference="unmodified",
+                         repeats=args.repeats, progress=progress, reference_kind=reference_kind)
     m = min(len(tokens), len(base_tokens))
     match = float((tokens[:m] == base_tokens[:m]).float().mean()) if m else 0.0
     river = comparison.row(label)

@@ -4,7 +4,7 @@ The folder holds the base model's weights (under their own names), its tokenizer
 with the River settings and an ``auto_map``, ``modeling_river.py`` and a model card, so that
 ``pipeline("text-generation", model=OUT_DIR, trust_remote_code=True)`` runs River
 (see :mod:`river_hf.river.serialization`). With ``--measure`` the card gets figures measured right
-then on this machine: tokens/s of River and of the unmodified model (``river_mode("backbone")``),
+then on this machine: tokens/s of River and of the unmodified model (the plain transformers model, ``river_hf.plain_model``),
 next-token match (:func:`river_hf.eval.agreement.next_token_agreement`, River-LLM's measure) and
 the mean exit layer; without it the card says they were not measured.
 """
@@ -127,9 +127,10 @@ def handler(args) -> int:
 def measure(model, tokenizer, max_new_tokens: int, repeats: int = 3) -> dict:
     """Figures for the model card, measured now on :data:`MEASURE_PROMPTS` (greedy).
 
-    River and the unmodified model (``river_mode("backbone")``) are timed side by side with the
-    shared timer (:func:`river_hf.timing.compare`: warm-up, ``repeats`` alternating rounds, the
-    same number of new tokens). Returns a dict with ``unmodified_tokens_per_s`` and
+    River and the unmodified model (the plain transformers model on River's backbone tensors,
+    :func:`river_hf.plain_model`; River in backbone mode where the backbone is offloaded) are
+    timed side by side with the shared timer (:func:`river_hf.timing.compare`: warm-up, ``repeats``
+    rounds with the reference next to River, the same number of new tokens). Returns a dict with ``unmodified_tokens_per_s`` and
     ``river_tokens_per_s`` (median decode tokens/s over all prompts), ``speedup`` (per-round,
     median/min/max) and ``verdict``, ``match`` (next-token match over all compared positions),
     ``mean_exit_layer`` and ``exit_fraction`` (River's decode steps), and the conditions.
@@ -145,12 +146,17 @@ def measure(model, tokenizer, max_new_tokens: int, repeats: int = 3) -> dict:
         gen["pad_token_id"] = tokenizer.eos_token_id
     exits = []
 
+    from .cli import _unmodified
+
+    plain, reference_kind = _unmodified(model)
+
     def timed(mode):
         def run():
             out = []
+            target = plain if mode == "backbone" else model
             with model.river_mode(mode):
                 for ids in prompts:
-                    out.append(measure_generate(model, dict(ids), **gen))
+                    out.append(measure_generate(target, dict(ids), **gen))
                     if mode == "route" and model.river_stats.get("decode_steps"):
                         s = model.river_stats
                         exits.append((s["decode_steps"], s["mean_exit_layer"], s["exit_fraction"]))
@@ -158,7 +164,7 @@ def measure(model, tokenizer, max_new_tokens: int, repeats: int = 3) -> dict:
         return run
 
     comparison = compare({"River": timed("route"), "unmodified": timed("backbone")}, reference="unmodified",
-                         repeats=repeats, progress=True)
+                         repeats=repeats, progress=True, reference_kind=reference_kind)
     matches = positions = 0
     for ids in prompts:
         ag = next_token_agreement(model, ids["input_ids"], max_new_tokens)

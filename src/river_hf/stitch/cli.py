@@ -150,7 +150,8 @@ def _compare(slm, llm, ids, tok, slm_tok, args, n: int):
         return timer.measurement()
 
     comparison = compare({"llm_only": llm_only, "assisted": assisted, "rstitch": rstitch}, reference="llm_only",
-                         repeats=args.repeats)
+                         repeats=args.repeats,
+                         reference_kind="the LLM alone: the plain transformers model's own generate, F.linear")
     out = {}
     for row in comparison.rows:
         out[row["label"]] = {"decode_tokens_per_s": row["decode_tokens_per_s"]["median"],
