@@ -129,3 +129,19 @@ def test_small_batch_linear_measure_times_both_orientations():
 
     timing = SmallBatchLinear.measure(64, 96, 8, stream_bytes=1 << 20, rounds=2)
     assert set(timing) == {"torch", "small-batch"} and all(v > 0 for v in timing.values())
+
+
+def test_weight_fingerprint_samples_inside_any_weight():
+    """The sampled positions must lie inside the weight for every size; a float32 linspace put the
+    last one past the end of Qwen2.5-0.5B's 151936x896 LM head (136,134,656 elements)."""
+    from river_hf.kernels import WeightFingerprint
+
+    for n in (1, 2, 255, 256, 257, 16_777_219, 136_134_656):
+        w = torch.zeros(n, dtype=torch.uint8)
+        fp = WeightFingerprint(w)
+        assert int(fp.index[-1]) == n - 1 and int(fp.index[0]) == 0 and fp.matches(w)
+        assert fp.index.numel() == min(n, 256) and bool((fp.index[1:] > fp.index[:-1]).all())
+    w = torch.zeros(1000)
+    fp = WeightFingerprint(w)
+    w.data[999] = 1.0  # through .data: the version counter does not see it, the sample does
+    assert not fp.matches(w)

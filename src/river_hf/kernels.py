@@ -159,7 +159,8 @@ class WeightFingerprint:
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
         n = w.numel()
-        self.index = torch.linspace(0, max(n - 1, 0), min(n, _SAMPLE), device=w.device).long()
+        k = min(n, _SAMPLE)  # evenly spaced, in int64 (a float32 linspace rounds past the end of a 136M-element head)
+        self.index = torch.arange(k, dtype=torch.long, device=w.device) * max(n - 1, 0) // max(k - 1, 1)
         self.sample = w.reshape(-1)[self.index].clone()
 
     def same_tensor(self, weight: torch.Tensor) -> bool:
