@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ..errors import RiverError
+from .modeling import RiverForCausalLM
 from .serialization import _plain_view
 
 __all__ = ["plain_model"]
@@ -38,8 +39,6 @@ def plain_model(model):
         RiverError: ``model`` is not a River model, or some backbone layers are offloaded
             (``offload_from``): their weights are not in memory to share.
     """
-    from .modeling import RiverForCausalLM
-
     if not isinstance(model, RiverForCausalLM):
         raise RiverError(f"plain_model needs a River model, got a {type(model).__name__}")
     if getattr(model.river_config, "offload_from", None) is not None or model.__dict__.get("hf_device_map"):
