@@ -248,11 +248,16 @@ def _compare(model, tokenizer, inputs, gen, tokens, answer, args, river_mode="ro
     _say(progress, f"--compare: answering with the unmodified model ({int(tokens.shape[0])} tokens) for the token match")
     base_tokens, base_stats = answer("backbone", max_new_tokens=int(tokens.shape[0]))
 
+    full_bytes = model.river_step_bytes(len(model._river_step_bytes["river"]) - 1)  # every backbone layer + head
+
     def timed(mode, target=model):
+        # the plain model keeps no river_stats: its weight bytes per step are the whole backbone's
+        extra = {} if target is model else {"weight_bytes_per_step": full_bytes}
+
         def run():
             with model.river_mode(mode):
                 return measure_generate(target, dict(inputs), **{**gen, "do_sample": False, "max_new_tokens": n,
-                                                                  "min_new_tokens": n})
+                                                                  "min_new_tokens": n}, **extra)
         return run
 
     plain, reference_kind = _unmodified(model)
