@@ -6,10 +6,10 @@ small/large model stitching (:mod:`river_hf.stitch`) and dLLM-Cache for masked d
 """
 
 from ._lazy import lazy_exports
+from ._version import __version__
 from .errors import RiverError
 from .models import resolve
 
-__version__ = "0.1.0"
 _EXPORTS = {
     **{name: ".river" for name in ("RiverCache", "RiverConfig", "RiverForCausalLM", "enable_river", "disable_river",
                                         "plain_model")},

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from .errors import RiverError
-from .eval.common import add_river_arguments, positive_int
+from .cli_args import add_river_arguments, positive_int
 
 __all__ = ["register", "handler", "run_bench", "plot_bench", "plain_reference", "REFERENCE_KINDS"]
 
@@ -303,7 +303,7 @@ def plot_bench(report: dict, png: str | Path, evals: list[tuple[str, dict]] = ()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .eval.common import save_figure
+    from .files import save_figure
 
     rows = report["rows"]
     panels = 2 + len(evals)

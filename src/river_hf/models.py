@@ -47,6 +47,7 @@ import zipfile
 from pathlib import Path
 
 from .errors import RiverError
+from .files import atomic_write, cache_dir
 
 __all__ = ["ModelEntry", "REGISTRY", "MANIFEST", "HUB_FALLBACK_ENV", "cache_dir", "resolve", "load", "is_key", "encode_prompt",
            "verify", "write_manifest"]
@@ -111,11 +112,6 @@ REGISTRY: dict[str, ModelEntry] = {
         ),
     ]
 }
-
-
-def cache_dir() -> Path:
-    """The cache root: ``$RIVER_HF_CACHE`` or ``~/.cache/river_hf``."""
-    return Path(os.environ.get("RIVER_HF_CACHE", Path.home() / ".cache" / "river_hf")).expanduser()
 
 
 def is_key(name: str) -> bool:
@@ -342,8 +338,6 @@ def write_manifest(folder: str | os.PathLike) -> Path:
     Raises:
         RiverError: the folder holds no weight file.
     """
-    from .eval.common import atomic_write
-
     folder = Path(folder)
     files = _weight_files(folder)
     if not files:

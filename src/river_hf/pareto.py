@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from .errors import RiverError
-from .eval.common import add_river_arguments, positive_int
+from .cli_args import add_river_arguments, positive_int
 
 __all__ = ["register", "handler", "pareto_front", "plot_pareto"]
 
@@ -108,7 +108,7 @@ def pareto_front(points: list[dict], speed: str = "decode_tokens_per_s", quality
 
 def _accuracy_points(model, tokenizer, strategies, taus, args, partial: dict, partial_path: Path, progress: bool) -> dict:
     """Free-running task scores per point, saved to ``partial_path`` after each strategy."""
-    from .eval.common import write_json
+    from .files import write_json
     from .eval.tasks import run_gsm8k, run_humaneval
 
     river = model.river_config.strategy
@@ -178,7 +178,7 @@ def plot_pareto(report: dict, png: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .eval.common import save_figure
+    from .files import save_figure
 
     points = report["points"]
     panels = [(k, label) for k, label in (("humaneval", "HumanEval pass@1 (%)"), ("gsm8k", "GSM8K exact match (%)"),

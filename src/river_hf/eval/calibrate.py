@@ -36,7 +36,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import RiverError
-from .common import add_river_arguments, positive_int
+from ..cli_args import add_river_arguments, positive_int
 
 __all__ = ["register", "handler", "calibrate", "free_running_agreement", "DEFAULT_PROMPTS", "MIN_PROMPTS",
            "MIN_REFERENCE_TOKENS"]

@@ -6,7 +6,7 @@ import sys
 import time
 
 from ..errors import RiverError
-from .common import add_river_arguments, positive_int
+from ..cli_args import add_river_arguments, positive_int
 
 #: Default new-token budget per task.
 MAX_NEW_TOKENS = {"gsm8k": 256, "humaneval": 384, "agreement": 64}

@@ -232,7 +232,7 @@ def entry_status(entry: dict, now_load: float | None = None, cpus: int | None = 
     measured under load (:func:`is_loaded`) and ``now_load`` (default: the current load average)
     is not. ``cpus``: default :func:`usable_cpus`.
     """
-    from .. import __version__
+    from .._version import __version__
 
     if entry["river_hf_version"] != __version__:
         return f"measured by river-hf {entry['river_hf_version']} (this is {__version__})"
@@ -314,7 +314,7 @@ class KernelTuner:
     def __init__(self, cache_file: str | Path | None | bool = None, *, rounds: int = 7, stream_bytes: int | None = None,
                  max_copies: int = 64):
         if cache_file is None:
-            from ..models import cache_dir
+            from ..files import cache_dir
 
             cache_file = cache_dir() / "kernels.json"
         self.cache_file = Path(cache_file) if cache_file else None
@@ -362,7 +362,7 @@ class KernelTuner:
     def measure_entry(self, candidates, linear) -> dict:
         """Measure ``candidates`` on ``linear`` (an ``nn.Linear`` or :class:`LinearSpec`) and return
         the cache entry (module docstring) for it, load average and version included."""
-        from .. import __version__
+        from .._version import __version__
 
         spec = LinearSpec.of(linear)
         load, cpus = load_average(), usable_cpus()

@@ -57,7 +57,7 @@ def parse_shapes(shapes: list[str]) -> list[str]:
 def _path(args) -> Path:
     if args.file:
         return Path(args.file).expanduser()
-    from ..models import cache_dir
+    from ..files import cache_dir
 
     return cache_dir() / "kernels.json"
 

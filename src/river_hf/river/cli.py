@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import RiverError
-from ..eval.common import add_river_arguments, positive_int, river_overrides
+from ..cli_args import add_river_arguments, positive_int, river_overrides
 from ..models import encode_prompt
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"

@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--measure", action="store_true",
                    help="measure speed, next-token match and mean exit layer now and put them in the model card")
     p.add_argument("--measure-tokens", type=int, default=32, help="new tokens per prompt for --measure (default 32)")
-    from ..eval.common import add_river_arguments
+    from ..cli_args import add_river_arguments
 
     add_river_arguments(p)
     p.set_defaults(func=handler)
@@ -61,7 +61,7 @@ def _check_out_dir(out_dir: str) -> None:
             is_river = False
         if not is_river:
             raise RiverError(f"OUT_DIR {out_dir!r} exists and is not a River folder; choose a new folder or empty it")
-    from ..eval.common import check_writable_place
+    from ..cli_args import check_writable_place
 
     check_writable_place(out, "OUT_DIR")  # the save writes a temporary folder next to it, then renames it
 
@@ -85,7 +85,7 @@ def handler(args) -> int:
     from .modeling import RiverConfig
 
     # settings checked before loading (one error, not after minutes of loading and quantizing)
-    from ..eval.common import river_overrides
+    from ..cli_args import river_overrides
 
     settings = river_overrides(args)
     RiverConfig(tau=2.0 if tau is None else tau, offload_from=args.offload_from, **settings)

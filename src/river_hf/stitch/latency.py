@@ -161,8 +161,8 @@ class LatencyEstimator:
         return {"formula": "seconds = a + b*tokens + c*cache_length", "coef": self.coef, "meta": self.meta}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write JSON atomically (temp file, then ``os.replace``; :func:`river_hf.eval.common.atomic_write`)."""
-        from ..eval.common import atomic_write
+        """Write JSON atomically (temp file, then ``os.replace``; :func:`river_hf.files.atomic_write`)."""
+        from ..files import atomic_write
 
         atomic_write(path, json.dumps(self.to_dict(), indent=1))
 
