@@ -69,7 +69,7 @@ def _check_out_dir(out_dir: str) -> None:
 def handler(args) -> int:
     import torch
 
-    from .cli import check_model
+    from .cli_common import check_model
     from .modeling import RiverForCausalLM
     from .serialization import model_card
 
@@ -146,9 +146,9 @@ def measure(model, tokenizer, max_new_tokens: int, repeats: int = 3) -> dict:
         gen["pad_token_id"] = tokenizer.eos_token_id
     exits = []
 
-    from .cli import _unmodified
+    from .cli_common import unmodified
 
-    plain, reference_kind = _unmodified(model)
+    plain, reference_kind = unmodified(model)
 
     def timed(mode):
         def run():

@@ -1,0 +1,313 @@
+"""Building River's exit path on a loaded model, and taking it off again.
+
+What :func:`~river_hf.river.modeling.enable_river` does besides giving the model River's class:
+the settings in force (:func:`settings_for`, the checks), an exit copy of every decoder layer and the
+exit head (:func:`build_exit_path`: quantized by the ``RiverConfig.backend`` kernels, per shape
+through a :class:`~river_hf.quant.KernelPlan`), each wrapped with its backbone in a
+:class:`~river_hf.river.layer.RiverLayer` / :class:`~river_hf.river.layer.RiverHead`; the forward
+hooks that tell the router where a pass begins and ends; the weight bytes one decode step reads
+per exit layer and strategy (``_river_step_bytes``, for the GB/s figures); and the weight
+fingerprints that let ``generate`` rebuild exit copies whose backbone changed
+(:func:`refresh_exit_layers`). :func:`disable_river` undoes it.
+
+Nothing here needs :class:`~river_hf.river.modeling.RiverForCausalLM` itself: a River model is
+told by its class (:func:`~river_hf.river.arch.is_river_class`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..errors import RiverError
+from ..kernels import WeightFingerprint
+from ..quant import KernelPlan, default_tuner, get_backend, linear_weight_bytes
+from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_class
+from .config import RiverConfig, default_config, warn_if_negative_tau
+from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
+from .layer import LOSSLESS, RiverHead, RiverLayer, RiverRouter
+from .offload import build_exit_layer, is_offloaded, offload_backbone
+from .strategies import STRATEGIES, cache_of
+
+__all__ = ["build_exit_path", "disable_river", "refresh_exit_layers", "settings_for", "warn_negative_taus",
+           "RIVER_ATTRIBUTES", "KEEP"]
+
+_REBUILD_LOCK = threading.Lock()  # one rebuild of exit copies at a time
+KEEP = object()  # "not given" for settings where None is a value (exit_head=None: no exit head)
+
+#: Attributes ``enable_river`` puts on the model (``disable_river`` removes them).
+RIVER_ATTRIBUTES = ("river", "river_config", "river_build_seconds", "river_kernel_report",
+                     "_river_step_bytes", "_river_hooks", "_river_verify_linear", "_river_warned_lossless_batch",
+                     "_river_prints")
+
+
+
+def check_supported(model: nn.Module, allow_untested: bool) -> None:
+    if is_river_class(type(model)):
+        raise RiverError("River is already enabled on this model; use model.set_river_tau(tau) to change tau")
+    model_type = getattr(model.config.get_text_config(decoder=True), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES and not allow_untested:
+        raise RiverError(
+            f"model type {model_type!r} is not supported by River (supported: {', '.join(SUPPORTED_MODEL_TYPES)}); "
+            "pass allow_untested=True to try the generic per-layer routing anyway"
+        )
+
+
+def check_min_layer(rules: ExitRuleList, num_layers: int, model: nn.Module) -> None:
+    """Refuse a MinLayerRule that would never let a pass leave the backbone."""
+    for rule in rules:
+        if isinstance(rule, MinLayerRule) and rule.min_layer >= num_layers:
+            raise RiverError(
+                f"min_layer={rule.min_layer} but this {type(model).__name__} has {num_layers} decoder layers: an exit "
+                f"can only follow a backbone layer before the last one; choose min_layer from 1 to {num_layers - 1}"
+            )
+
+
+def warn_negative_taus(rules: ExitRuleList, stacklevel: int) -> None:
+    """One warning per negative τ among ``rules``, pointing ``stacklevel`` frames above the caller."""
+    min_layer = next((r.min_layer for r in rules if isinstance(r, MinLayerRule)), None)
+    for tau in sorted({r.tau for r in rules if isinstance(r, StateTransitionSimilarityRule)}):
+        warn_if_negative_tau(tau, min_layer, stacklevel=stacklevel + 1)
+
+
+def settings_for(model, config: RiverConfig | None, *, rules, exit_head, **fields) -> RiverConfig:
+    """The per-model default (or ``config``) with the given fields overriding it."""
+    if config is None:
+        model_type = getattr(model.config.get_text_config(decoder=True), "model_type", None)
+        config = default_config(getattr(model.config, "_name_or_path", None), model_type)
+    overrides = {k: v for k, v in fields.items() if v is not None}
+    if exit_head is not KEEP:
+        overrides["exit_head"] = exit_head
+    if rules is not None:
+        overrides["rules"] = [r.to_dict() if isinstance(r, ExitRule) else r for r in rules]
+    return dataclasses.replace(config, **overrides)
+
+
+def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleList, tuner, progress: bool,
+                    stacklevel: int = 1) -> dict:
+    """Build the exit copies and the exit head of ``model`` (in place: its layers and LM head are
+    wrapped, the hooks registered) and return the attributes ``enable_river`` puts on the model,
+    ``river_config`` with this build's measured kernel choices. ``stacklevel``: where the warning
+    about saved kernel choices not reused points, as for ``warnings.warn`` seen from the caller (1:
+    the caller of this function, 2: its caller)."""
+    stack, layers = decoder_stack(model)
+    if tuner is None:
+        tuner = default_tuner()
+    router = RiverRouter(rule_list, len(layers), prefill=config.prefill, strategy=config.strategy)
+    if config.lossless:
+        router.mode = LOSSLESS
+    report: list[dict] = []
+    start = time.perf_counter()
+    plan = KernelPlan(tuner or None, config.kernel_choice)  # a saved folder's kernels first, then measured
+    backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, plan, report, progress)
+    head_bytes, exit_head_bytes = _wrap_head(model, router, config, plan, report)
+    build_seconds = time.perf_counter() - start
+    plan.warn_if_differs(stacklevel=stacklevel + 1)
+    config = dataclasses.replace(config, kernel_choice=plan.chosen or None)  # saved with the folder
+    if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
+        offload_backbone(layers, config.offload_from, config.offload_dir)
+    hooks = _register_router_hooks(stack, router) + _register_verify_hooks(model, router)
+    return {"river": router, "river_config": config, "river_build_seconds": build_seconds,
+            "river_kernel_report": report,
+            "_river_step_bytes": _step_bytes(layers, backbone_bytes, exit_bytes, head_bytes, exit_head_bytes),
+            "_river_hooks": hooks, "_river_prints": _fingerprints(model, layers)}
+
+
+def _step_bytes(layers, backbone_bytes: list[int], exit_bytes: list[int], head_bytes: int,
+                exit_head_bytes: int) -> dict[str, list[int]]:
+    """Weight bytes one decode step reads when its exit layer is k, per strategy: backbone 0..k-1;
+    then River's exit layers k..L-1 (state propagation: their K/V projections; the other
+    baselines: nothing); and the exit head when the step left the backbone (k < L), else the
+    original head."""
+    L = len(layers)
+    after_exit = {"river": exit_bytes, "state-propagation": [_kv_weight_bytes(layer.backbone) for layer in layers]}
+    return {name: [sum(backbone_bytes[:k]) + sum(after_exit.get(name, [0] * L)[k:])
+                   + (exit_head_bytes if k < L else head_bytes) for k in range(L + 1)]
+            for name in STRATEGIES}
+
+
+def refresh_exit_layers(model: nn.Module) -> list[str]:
+    """Rebuild the exit copy of every backbone layer, and the exit head, whose weights changed
+    since the copy was made; returns the names rebuilt (see
+    :meth:`~river_hf.river.modeling.RiverForCausalLM.river_refresh_exit_layers`)."""
+    prints = model.__dict__.get("_river_prints")
+    if not prints:
+        return []
+    changed = [i for i, pairs in prints["layers"].items() if any(not fp.matches(m.weight) for m, fp in pairs)]
+    head = prints["head"]
+    head_changed = head is not None and not head[1].matches(head[0].weight)
+    if not changed and not head_changed:
+        return []
+    config = model.river_config
+    plan = KernelPlan(None, config.kernel_choice)
+    _, layers = decoder_stack(model)
+    rebuilt = []
+    with _REBUILD_LOCK, torch.no_grad():
+        for i in changed:
+            layer = layers[i]
+            exit_layer = get_backend(config.backend).build_layer(layer.backbone, plan, report=[], prefix=f"layers.{i}.")
+            layer.exit_layer = exit_layer.eval()
+            prints["layers"][i] = _linear_prints(layer.backbone)
+            rebuilt.append(f"layers.{i}")
+        if head_changed:
+            river_head = model.get_output_embeddings()
+            river_head.exit_head, _ = get_backend(config.exit_head).build_linear(river_head.backbone, plan)
+            prints["head"] = (river_head.backbone, WeightFingerprint(river_head.backbone.weight))
+            rebuilt.append("lm_head")
+    return rebuilt
+
+
+def _linear_prints(module: nn.Module) -> list:
+    """``(linear, fingerprint)`` of every ``nn.Linear`` in ``module``."""
+    return [(m, WeightFingerprint(m.weight)) for m in module.modules() if isinstance(m, nn.Linear)]
+
+
+def _fingerprints(model: nn.Module, layers) -> dict:
+    """:class:`~river_hf.kernels.WeightFingerprint` of every Linear weight the exit copies were built
+    from: ``{"layers": {i: [(linear, print), ...]}, "head": (linear, print) or None}`` (offloaded
+    backbones are left out: their weights are not in memory to change)."""
+    prints: dict = {"layers": {}, "head": None}
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RiverLayer) and not is_offloaded(layer.backbone):
+            prints["layers"][i] = _linear_prints(layer.backbone)
+    head = model.get_output_embeddings()
+    if isinstance(head, RiverHead) and head.exit_head is not None:
+        prints["head"] = (head.backbone, WeightFingerprint(head.backbone.weight))
+    return prints
+
+
+def disable_river(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_river`, in place, and return the same model object.
+
+    The model gets back the architecture's own class, its original decoder layers and LM head
+    (the very module objects River kept as backbones, weights untouched), and loses River's
+    forward hooks and attributes; it then generates exactly the tokens it generated before
+    ``enable_river``. The exit layers are dropped. Backbone layers that River offloaded
+    (``offload_from``) stay offloaded through accelerate's hooks, which compute the same.
+
+    Raises:
+        RiverError: River is not enabled on ``model``.
+    """
+    if not is_river_class(type(model)):
+        raise RiverError(f"River is not enabled on this {type(model).__name__}; nothing to disable")
+    _, layers = decoder_stack(model)
+    for hook in model.__dict__.get("_river_hooks", ()):
+        hook.remove()
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RiverLayer):
+            layers[i] = layer.backbone
+    head = model.get_output_embeddings()
+    if isinstance(head, RiverHead):
+        model.set_output_embeddings(head.backbone)
+    model.__class__ = base_class(type(model))
+    for name in RIVER_ATTRIBUTES:
+        model.__dict__.pop(name, None)
+    return model
+
+
+def _kv_weight_bytes(layer: nn.Module) -> int:
+    """Weight bytes of a decoder layer's K and V projections (what state propagation reads)."""
+    attn = getattr(layer, "self_attn", None)
+    return sum(linear_weight_bytes(getattr(attn, name)) for name in ("k_proj", "v_proj") if hasattr(attn, name))
+
+
+def _wrap_layers(layers: nn.ModuleList, router: RiverRouter, config: RiverConfig, tuner, report: list,
+                 progress: bool) -> tuple[list[int], list[int]]:
+    """Build each layer's exit copy and put a RiverLayer in its place; returns the weight bytes of
+    each backbone layer and of each exit layer."""
+    choice = get_backend(config.backend)
+    backbone_bytes, exit_bytes = [], []
+
+    def build(layer, i):
+        return choice.build_layer(layer, tuner, report=report, prefix=f"layers.{i}.")
+
+    with torch.no_grad():
+        for i in tqdm(range(len(layers)), desc=f"building exit layers ({choice.name}, {choice.bits}-bit)",
+                      disable=not progress, unit="layer"):
+            backbone = layers[i]
+            exit_layer = build_exit_layer(lambda layer: build(layer, i), backbone)  # reads an offloaded backbone in
+            exit_layer.eval()
+            backbone_bytes.append(linear_weight_bytes(backbone))
+            exit_bytes.append(linear_weight_bytes(exit_layer))
+            layers[i] = RiverLayer(backbone, exit_layer, router, i)
+    return backbone_bytes, exit_bytes
+
+
+def _wrap_head(model: nn.Module, router: RiverRouter, config: RiverConfig, tuner, report: list) -> tuple[int, int]:
+    """Put a RiverHead (original head + exit head) in place of the LM head; returns the weight bytes
+    of the original head and of the head exited steps read."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return 0, 0
+    head_bytes = linear_weight_bytes(head)
+    if config.exit_head is None or not isinstance(head, nn.Linear):
+        exit_head = None
+    else:
+        with torch.no_grad():
+            exit_head, row = get_backend(config.exit_head).build_linear(head, tuner)
+        report.append({"name": "lm_head (exit head)", **row})
+    model.set_output_embeddings(RiverHead(head, exit_head, router))
+    return head_bytes, head_bytes if exit_head is None else linear_weight_bytes(exit_head)
+
+
+@torch.compiler.disable
+def _refuse_compile() -> None:
+    """Raises RiverError; called while torch.compile traces a River forward pass. Excluded from
+    tracing, so it runs (and raises) for real instead of being folded into a graph break."""
+    raise RiverError(
+        "River models cannot be compiled with torch.compile: the exit decision after each backbone layer is "
+        "data-dependent Python control flow; run the model uncompiled (a static cache works uncompiled)"
+    )
+
+
+def _register_verify_hooks(model: nn.Module, router: RiverRouter) -> list:
+    """Around each forward of the whole model: a lossless call's backbone passes (prefill,
+    verify; not the drafts, which run in ``route`` mode) run inside its verify kernel mode
+    (:func:`river_hf.river.lossless.verify_mode`), the LM head included. The exit hook runs even
+    when the forward raises, so no mode is left entered."""
+
+    def enter(module, args, kwargs):
+        local = router._local
+        mode = local.verify_linear if router.mode == LOSSLESS else None
+        if mode is not None:
+            mode.__enter__()
+        local.entered.append(mode)
+
+    def leave(module, args, kwargs, output=None):
+        local = router._local
+        mode = local.entered.pop() if local.entered else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    return [model.register_forward_pre_hook(enter, with_kwargs=True),
+            model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
+
+
+def _register_router_hooks(stack: nn.Module, router: RiverRouter) -> list:
+    """Tell the router where each forward pass of the decoder stack begins and ends; returns the
+    hook handles."""
+
+    def new_tokens(args, kwargs) -> tuple[int, int]:
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None and args:
+            x = args[0]
+        return (x.shape[0], x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else (1, 1)
+
+    def begin(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            _refuse_compile()
+        router.begin(kwargs.get("attention_mask"), new_tokens(args, kwargs)[1], cache_of(kwargs))
+
+    def end(module, args, kwargs, output):
+        batch, tokens = new_tokens(args, kwargs)
+        router.end(batch, tokens, cache_of(kwargs))
+
+    return [stack.register_forward_pre_hook(begin, with_kwargs=True),
+            stack.register_forward_hook(end, with_kwargs=True)]
