@@ -1,0 +1,221 @@
+"""The modules a weight-only kernel builds, and what is measured on them.
+
+``Int8WeightOnlyLinear`` / ``Int4WeightOnlyLinear`` (torch's weight-only int8 / int4 ops),
+``CastLinear`` (a quanto Linear run in bf16 inside an fp32 model) and ``CastMemo`` (one input cast
+shared by the Linears of an exit layer); ``kernel_name``, ``linear_weight_bytes``,
+``relative_error`` and ``fast_kernel_fraction`` read built copies. Which kernel builds which
+module is :mod:`.kernels` (which re-exports these names).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import RiverError
+
+__all__ = ["CastMemo", "CastLinear", "Int8WeightOnlyLinear", "Int4WeightOnlyLinear", "relative_error", "kernel_name",
+           "linear_weight_bytes", "fast_kernel_fraction"]
+
+
+class CastMemo:
+    """Casts of the last input, shared by the Linears of one exit layer.
+
+    q/k/v projections (and gate/up) receive the same input tensor; the memo casts it to the
+    compute dtype once and hands the same cast to its siblings. The tensor's identity *and* its
+    version counter must match, so an input modified in place is cast again. Safe when several
+    threads run the same layer: the memo is one tuple, read and replaced whole.
+    """
+
+    __slots__ = ("entry",)
+
+    def __init__(self):
+        self.entry = None  # (source tensor, its version, its cast): one attribute, so a thread reads it whole
+
+    def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        entry = self.entry  # one read: another thread may replace the entry, never half of it
+        if entry is not None and x is entry[0] and x._version == entry[1] and entry[2].dtype == dtype:
+            return entry[2]
+        y = x.to(dtype)
+        self.entry = (x, x._version, y)
+        return y
+
+
+class CastLinear(nn.Module):
+    """Runs ``inner`` in ``compute_dtype`` and returns the caller's dtype (W8A16/W4A16 on an fp32 model).
+
+    Args:
+        inner: the quantized Linear (expects ``compute_dtype`` input).
+        compute_dtype: its activation dtype.
+        memo: a :class:`CastMemo` shared with sibling Linears (None: cast every call).
+    """
+
+    def __init__(self, inner: nn.Module, compute_dtype: torch.dtype, memo: CastMemo | None = None):
+        super().__init__()
+        self.inner = inner
+        self.compute_dtype = compute_dtype
+        self.memo = memo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.compute_dtype:
+            return self.inner(x)
+        xc = self.memo.cast(x, self.compute_dtype) if self.memo is not None else x.to(self.compute_dtype)
+        return self.inner(xc).to(x.dtype)
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """``y = x @ (q * s).T + b`` with per-output-channel symmetric int8 weights, on
+    ``torch._weight_int8pack_mm``.
+
+    Buffers: ``weight_int8`` int8 ``[out, in]`` (q = round(W / s), |q| <= 127), ``scales``
+    ``[out]`` in ``compute_dtype`` (s = max|W_row| / 127), ``bias`` ``[out]`` in the model dtype or None.
+    ``forward(x)``: ``x [..., in]`` (any float dtype) -> ``[..., out]`` in x's dtype.
+    """
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = compute_dtype
+        self.register_buffer("weight_int8", q.contiguous())
+        self.register_buffer("scales", scales.to(compute_dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.memo: CastMemo | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x if x.dtype == self.compute_dtype else (
+            self.memo.cast(x, self.compute_dtype) if self.memo is not None else x.to(self.compute_dtype))
+        y = torch._weight_int8pack_mm(xc.reshape(-1, self.in_features), self.weight_int8, self.scales)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """``[out, in]`` float32: the weights this module multiplies by."""
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+
+def _int4_group_size(in_features: int, largest: int = 128) -> int | None:
+    for g in (g for g in (128, 64, 32) if g <= largest):
+        if in_features % g == 0:
+            return g
+    return None
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """``y = x @ W4.T + b`` with asymmetric 4-bit weights per group of ``group_size`` input
+    channels, on torch's tinygemm int4 kernel (``torch._weight_int4pack_mm_for_cpu`` on CPU).
+
+    Per group: ``q = round((W - min) / scale)`` in [0, 15], ``scale = (max - min) / 15``; the kernel
+    computes ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale`` (tinygemm's layout).
+    Buffers: ``weight_packed`` (the kernel's packed uint8 layout), ``scale_zeros`` ``[in / group, out, 2]``
+    in ``compute_dtype``, ``bias`` or None. ``forward(x)``: ``x [..., in]`` -> ``[..., out]`` in x's dtype.
+
+    Raises:
+        RiverError: the shape cannot be packed (see :meth:`supports`).
+    """
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16, group_size: int = 128):
+        super().__init__()
+        n, k = linear.out_features, linear.in_features
+        g = _int4_group_size(k, group_size)
+        if g is None or n % 16:
+            raise RiverError(f"torch-int4 needs in_features divisible by 32 and out_features by 16, got {k}x{n}")
+        w = linear.weight.detach().float().reshape(n, k // g, g)
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+        q = torch.round((w - lo) / scale).clamp(0, 15).reshape(n, k).to(torch.int32)
+        zero = lo + 8.0 * scale
+        device = linear.weight.device
+        self.in_features, self.out_features, self.group_size = k, n, g
+        self.compute_dtype = compute_dtype
+        if device.type == "cpu":
+            packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+        else:  # pragma: no cover - needs a GPU
+            packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 2)
+        sz = torch.stack([scale.reshape(n, k // g).t(), zero.reshape(n, k // g).t()], dim=-1)
+        self.register_buffer("weight_packed", packed)
+        self.register_buffer("scale_zeros", sz.to(compute_dtype).contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.memo: CastMemo | None = None
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        """The packed layout needs ``in_features % 32 == 0`` and ``out_features % 16 == 0``."""
+        return _int4_group_size(linear.in_features) is not None and linear.out_features % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x if x.dtype == self.compute_dtype else (
+            self.memo.cast(x, self.compute_dtype) if self.memo is not None else x.to(self.compute_dtype))
+        x2 = xc.reshape(-1, self.in_features)
+        if x2.device.type == "cpu":
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.weight_packed, self.group_size, self.scale_zeros)
+        else:  # pragma: no cover - needs a GPU
+            y = torch._weight_int4pack_mm(x2, self.weight_packed, self.group_size, self.scale_zeros)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+@torch.no_grad()
+def relative_error(linear: nn.Linear, copy_: nn.Module, rows: int = 4) -> float:
+    """``||copy(x) - linear(x)|| / ||linear(x)||`` for ``x ~ N(0, 1)`` of shape ``[rows, in_features]``
+    (fixed seed): how far a kernel's output is from the dense Linear's, on the real weights."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, linear.in_features, generator=gen).to(linear.weight.device, linear.weight.dtype)
+    ref = linear(x).float()
+    return float((copy_(x).float() - ref).norm() / ref.norm().clamp(min=1e-12))
+
+
+def kernel_name(module: nn.Module) -> str:
+    """The kernel a built Linear copy runs on (``torch-int8``, ``quanto-int4``, ``dense`` ...)."""
+    inner = module.inner if isinstance(module, CastLinear) else module
+    if isinstance(inner, Int8WeightOnlyLinear):
+        return "torch-int8"
+    if isinstance(inner, Int4WeightOnlyLinear):
+        return "torch-int4-g32" if inner.group_size == 32 else "torch-int4"
+    if type(inner).__name__.startswith("QLinear"):
+        kind = type(inner.weight).__name__
+        bits = 4 if "QBits" in kind else 8
+        return f"quanto-int{bits}" + ("" if bits == 8 or kind in _FAST_INT4_TYPES else " (slow fallback)")
+    return "dense"
+
+
+def linear_weight_bytes(module: nn.Module) -> int:
+    """Bytes of weight storage read by one pass through ``module``'s Linears (quantized or not).
+
+    Counts packed integer data, scales and zero points (torch-int8/int4 buffers, quanto's inner
+    tensors) and the plain weight (and bias) bytes of dense Linears. Used for the achieved
+    bandwidth figure (bytes per step x steps per second).
+    """
+    total = 0
+    for m in module.modules():
+        if isinstance(m, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+            total += sum(_tensor_bytes(b) for b in m.buffers(recurse=False))
+        elif isinstance(m, nn.Linear) or type(m).__name__.startswith("QLinear"):
+            for t in (getattr(m, "weight", None), getattr(m, "bias", None)):
+                if t is not None:
+                    total += _tensor_bytes(t)
+    return total
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Storage bytes of a tensor; quanto's packed tensors are summed over their inner tensors."""
+    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+#: quanto weight types that run on a packed int4 kernel (tinygemm on CPU/CUDA, Marlin on CUDA).
+_FAST_INT4_TYPES = ("TinyGemmWeightQBitsTensor", "MarlinInt4WeightQBitsTensor")
+
+
+def fast_kernel_fraction(model: nn.Module) -> float | None:
+    """Fraction of the exit layers' quantized Linears that run on a packed kernel (not quanto's
+    dequantizing int4 fallback). None when the model has no quantized exit Linears (``copy``)."""
+    kinds = [kernel_name(m) for name, m in model.named_modules()
+             if ".exit_layer." in f".{name}." and not name.endswith(".inner") and kernel_name(m) != "dense"]
+    if not kinds:
+        return None
+    return sum("slow" not in k for k in kinds) / len(kinds)
