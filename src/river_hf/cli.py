@@ -66,5 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def generate_main() -> None:  # pragma: no cover - convenience
+    """``river-hf generate`` as a command of its own (the arguments are those of ``generate``)."""
+    sys.exit(main(["generate", *sys.argv[1:]]))
+
+
 if __name__ == "__main__":
     sys.exit(main())

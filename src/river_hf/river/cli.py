@@ -256,9 +256,3 @@ def _slow_note(result: dict) -> str | None:
     if not facts:
         return None
     return "Note: " + "; ".join(facts) + "."
-
-
-def main() -> None:  # pragma: no cover - convenience
-    from ..cli import main as cli_main
-
-    sys.exit(cli_main(["generate", *sys.argv[1:]]))

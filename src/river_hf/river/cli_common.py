@@ -64,7 +64,6 @@ def check_model(name: str, *, progress: bool = True):
     return path, config, tokenizer
 
 
-
 def unmodified(model):
     """The model ``--compare`` times as "unmodified" and how its table names it: the plain
     transformers model on River's backbone tensors (:func:`river_hf.plain_model`, no copy), or,
