@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from .errors import RiverError
-from .cli_args import add_river_arguments, positive_int
+from .cli_args import add_river_arguments, existing_report, positive_int
 
 __all__ = ["register", "handler", "run_bench", "plot_bench", "plain_reference", "REFERENCE_KINDS"]
 
@@ -374,13 +374,7 @@ def handler(args) -> int:
     evals = _merge_evals([_eval_scores(p) for p in args.eval_json])
     out = check_output_path(args.out or f"bench_{args.model.replace('/', '_')}.json")
     if args.plot_only:
-        import json
-
-        try:
-            report = json.loads(out.read_text())
-            report["rows"]
-        except (OSError, ValueError, KeyError) as e:
-            raise RiverError(f"--plot-only needs an existing bench report at --out {out} ({type(e).__name__})") from None
+        report = existing_report(out, "rows", "bench")
         plot_bench(report, out.with_suffix(".png"), evals)
         report["eval_json"] = list(args.eval_json)
         write_json(out, report)

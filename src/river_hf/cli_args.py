@@ -16,7 +16,7 @@ from pathlib import Path
 from .errors import RiverError
 
 __all__ = ["positive_int", "KERNEL_CHOICES", "add_river_arguments", "river_overrides", "parse_taus",
-           "check_output_path", "check_writable_place"]
+           "check_output_path", "check_writable_place", "existing_report"]
 
 
 def positive_int(text: str) -> int:
@@ -134,3 +134,20 @@ def check_writable_place(path: str | os.PathLike, flag: str) -> None:
         os.unlink(tmp)
     except OSError as e:
         raise RiverError(f"{flag} {str(path)!r}: cannot write in {str(folder)!r} ({e.strerror}); choose another path") from None
+
+
+def existing_report(path: str | os.PathLike, key: str, what: str) -> dict:
+    """The JSON report a ``--plot-only`` run redraws from: the file at ``--out`` ``path``, which
+    must exist, parse and hold ``key`` (``what`` names the report in the error, e.g. "bench").
+
+    Raises:
+        RiverError: the report is missing, not JSON or lacks ``key``.
+    """
+    import json
+
+    try:
+        report = json.loads(Path(path).read_text())
+        report[key]
+    except (OSError, ValueError, KeyError) as e:
+        raise RiverError(f"--plot-only needs an existing {what} report at --out {path} ({type(e).__name__})") from None
+    return report

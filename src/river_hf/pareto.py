@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from .errors import RiverError
-from .cli_args import add_river_arguments, positive_int
+from .cli_args import add_river_arguments, existing_report, positive_int
 
 __all__ = ["register", "handler", "pareto_front", "plot_pareto"]
 
@@ -263,11 +263,7 @@ def handler(args) -> int:
     out = check_output_path(args.out or f"pareto_{args.model.replace('/', '_')}.json")
     md, png = out.with_suffix(".md"), out.with_suffix(".png")
     if args.plot_only:
-        try:
-            report = json.loads(out.read_text())
-            report["points"]
-        except (OSError, ValueError, KeyError) as e:
-            raise RiverError(f"--plot-only needs an existing pareto report at --out {out} ({type(e).__name__})") from None
+        report = existing_report(out, "points", "pareto")
         plot_pareto(report, png)
         atomic_write(md, format_table(report) + "\n")
         log(f"redrew {png} and {md}")
