@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 from .errors import RiverError
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("river-hf: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader (e.g. `river-hf kernels --list | head`) closed the pipe: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 0
 
 
 def generate_main() -> None:  # pragma: no cover - convenience

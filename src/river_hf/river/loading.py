@@ -46,7 +46,14 @@ def load_checkpoint(cls: type, name: str, model_args: tuple, kwargs: dict, river
         river_config = default_config(name, config.get_text_config(decoder=True).model_type)
     river_config = dataclasses.replace(river_config, **given)
     kwargs = loading_kwargs(path, river_config, kwargs, config)
-    model = architecture(cls, config).from_pretrained(path, *model_args, config=config, **kwargs)
+    try:
+        model = architecture(cls, config).from_pretrained(path, *model_args, config=config, **kwargs)
+    except RuntimeError as e:
+        if "mismatch" not in str(e):  # a weight shape against config.json is the user's to fix; others are not
+            raise
+        raise RiverError(f"the weights in {name!r} do not match the shapes its config.json gives (transformers' load "
+                         "report above lists each mismatched tensor); pass the folder's own config.json, or the model "
+                         "folder the weights were saved with") from None
     model.eval()
     return model, river_config
 
@@ -59,19 +66,32 @@ def overrides(*, exit_head, **fields) -> dict:
     return out
 
 
+def _validation_errors() -> tuple:
+    """huggingface_hub's strict-dataclass error, which transformers' configs raise for a wrongly
+    typed field (``"hidden_size": "abc"``); not a ValueError or TypeError subclass."""
+    try:
+        from huggingface_hub.errors import StrictDataclassFieldValidationError
+    except ImportError:  # an older huggingface_hub: the configs do not validate fields
+        return ()
+    return (StrictDataclassFieldValidationError,)
+
+
+_CONFIG_VALIDATION_ERRORS = _validation_errors()
+
+
 def read_config(source, kwargs: dict, name: str):
     """``AutoConfig.from_pretrained(source)`` with the caller's hub arguments; any failure is one
     RiverError."""
     hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     try:
         return AutoConfig.from_pretrained(source, **hub)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, *_CONFIG_VALIDATION_ERRORS) as e:  # a wrongly typed field too
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if len(first) > 300:
             first = first[:300] + " ..."
         raise RiverError(
             f"cannot read the model config of {name!r} ({first}); pass a transformers model folder with a valid "
-            "config.json (it needs a model_type), a model key, or a Hub id (with revision=/token= when it needs them)"
+            "config.json (it needs a model_type, and fields of the right types), a model key, or a Hub id"
         ) from None
 
 
