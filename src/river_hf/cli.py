@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 
 from .errors import RiverError
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    old_format, warnings.formatwarning = warnings.formatwarning, _one_line_warning  # not file:line + source
     try:
         return int(args.func(args) or 0)
     except RiverError as e:
@@ -68,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader (e.g. `river-hf kernels --list | head`) closed the pipe: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         return 0
+    finally:
+        warnings.formatwarning = old_format
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"river-hf: warning: {message}\n"
 
 
 def generate_main() -> None:  # pragma: no cover - convenience

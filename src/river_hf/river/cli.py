@@ -146,6 +146,7 @@ def _generate(args, tau, *, progress: bool) -> int:
     tokens, stats = answer(river_mode, streamer)
     if not args.json:
         print(flush=True)  # the streamed answer ends without a newline (and --compare's notes follow on stderr)
+        print(_stats_line(label, stats, model), flush=True)  # before --compare's rounds, which take a while
     result = {"model": args.model, "prompt": args.prompt, "text": tokenizer.decode(tokens, skip_special_tokens=True),
               "new_tokens": int(tokens.shape[0]), "river_config": model.river_config.to_dict(), "stats": stats,
               "exit_layer_build_seconds": model.river_build_seconds, "kernels": model.river_kernels()}
@@ -155,7 +156,6 @@ def _generate(args, tau, *, progress: bool) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(_stats_line(label, stats, model))
     if args.compare:
         print(result["comparison_table"])
         sp = result["speedup"]

@@ -33,7 +33,7 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("model", metavar="MODEL", help="model key (e.g. qwen2.5-coder-0.5b), Hub id or local folder")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (replaced atomically)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="folder to write: a new folder, or an earlier River folder whose River files are replaced (each written to a temporary file, then renamed; other files in it are kept)")
     p.add_argument("--tau", default=None, help="threshold τ stored in the folder (default: per-model config)")
     p.add_argument("--offload-from", type=int, default=None,
                    help="store an offload policy: backbone layers K.. stay off the compute device when loaded")
