@@ -3,23 +3,18 @@ enters for multi-row forwards of the main model only) and its prompt selection."
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from test_river_core import tiny_model
+from benchmark_scripts import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("lossless_bench", ROOT / "benchmarks" / "lossless_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("lossless_bench")
 
 
 class _CountLinear(TorchFunctionMode):
@@ -67,9 +62,7 @@ def test_linear_kernels_bench_times_through_the_tuner(tmp_path, monkeypatch):
 
     from river_hf.quant import autotune
 
-    spec = importlib.util.spec_from_file_location("linear_kernels", ROOT / "benchmarks" / "linear_kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("linear_kernels")
     calls = []
 
     def fake_measure(self, candidates, linear):

@@ -5,22 +5,19 @@ rescore (the timings themselves are measured by running the script, not by tests
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("stitch_bench", ROOT / "benchmarks" / "stitch_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("stitch_bench")
 
 
 def test_time_rounds_alternates_the_order():
