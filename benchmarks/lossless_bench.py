@@ -39,6 +39,7 @@ reference decode steps. JSON + PNG + Markdown.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -194,7 +195,7 @@ def main(argv=None) -> int:
                     handles = multi_row_kernel_hooks(plain, baseline_kernel)
             timer = TokenTimer()
             try:
-                with torch.no_grad(), (river.river_mode("lossless") if model is river else _null()):
+                with torch.no_grad(), (river.river_mode("lossless") if model is river else contextlib.nullcontext()):
                     timer.reset()
                     out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=timer, **gen, **extra)
             finally:
@@ -269,14 +270,6 @@ def main(argv=None) -> int:
     print(comparison.table())
     print(markdown(report))
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def markdown(report: dict) -> str:
