@@ -16,6 +16,7 @@ told by its class (:func:`~river_hf.river.arch.is_river_class`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
@@ -27,6 +28,7 @@ from tqdm.auto import tqdm
 from ..errors import RiverError
 from ..kernels import WeightFingerprint
 from ..quant import KernelPlan, default_tuner, get_backend, linear_weight_bytes
+from ..quant.fused import fuse_projections, fused_groups
 from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_class
 from .config import RiverConfig, default_config, warn_if_negative_tau
 from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
@@ -34,7 +36,7 @@ from .layer import LOSSLESS, RiverHead, RiverLayer, RiverRouter
 from .offload import build_exit_layer, is_offloaded, offload_backbone
 from .strategies import STRATEGIES, cache_of
 
-__all__ = ["build_exit_path", "disable_river", "refresh_exit_layers", "settings_for", "warn_negative_taus",
+__all__ = ["build_exit_path", "build_exit_copy", "disable_river", "refresh_exit_layers", "settings_for", "warn_negative_taus",
            "RIVER_ATTRIBUTES", "KEEP"]
 
 _REBUILD_LOCK = threading.Lock()  # one rebuild of exit copies at a time
@@ -149,7 +151,7 @@ def refresh_exit_layers(model: nn.Module) -> list[str]:
     with _REBUILD_LOCK, torch.no_grad():
         for i in changed:
             layer = layers[i]
-            exit_layer = get_backend(config.backend).build_layer(layer.backbone, plan, report=[], prefix=f"layers.{i}.")
+            exit_layer = build_exit_copy(layer.backbone, config, plan, report=[], prefix=f"layers.{i}.")
             layer.exit_layer = exit_layer.eval()
             prints["layers"][i] = _linear_prints(layer.backbone)
             rebuilt.append(f"layers.{i}")
@@ -159,6 +161,25 @@ def refresh_exit_layers(model: nn.Module) -> list[str]:
             prints["head"] = (river_head.backbone, WeightFingerprint(river_head.backbone.weight))
             rebuilt.append("lm_head")
     return rebuilt
+
+
+def build_exit_copy(backbone: nn.Module, config: RiverConfig, tuner, *, report: list | None = None,
+                    prefix: str = "") -> nn.Module:
+    """The exit copy of decoder layer ``backbone`` under ``config``: its Linears on the kernels of
+    ``config.backend`` (``KernelChoice.build_layer``, ``tuner`` a :class:`KernelPlan`,
+    a tuner or None), with q/k/v and gate/up stacked into one product each first when
+    ``config.fuse_projections`` (:func:`river_hf.quant.fused.fuse_projections`; the stacked
+    Linears are then measured and quantized as Linears of their own shape). ``backbone`` is not
+    modified; ``report`` gets one row per built Linear."""
+    choice = get_backend(config.backend)
+    if not config.fuse_projections or not fused_groups(backbone):
+        return choice.build_layer(backbone, tuner, report=report, prefix=prefix)
+    # a copy of the layer's structure that shares its tensors (build_layer copies it for real), in
+    # which the siblings are replaced by one stacked Linear each: no second copy of the weights
+    memo = {id(t): t for t in (*backbone.parameters(), *backbone.buffers())}
+    shell = copy.deepcopy(backbone, memo)
+    fuse_projections(shell)
+    return choice.build_layer(shell, tuner, report=report, prefix=prefix)
 
 
 def _linear_prints(module: nn.Module) -> list:
@@ -223,7 +244,7 @@ def _wrap_layers(layers: nn.ModuleList, router: RiverRouter, config: RiverConfig
     backbone_bytes, exit_bytes = [], []
 
     def build(layer, i):
-        return choice.build_layer(layer, tuner, report=report, prefix=f"layers.{i}.")
+        return build_exit_copy(layer, config, tuner, report=report, prefix=f"layers.{i}.")
 
     with torch.no_grad():
         for i in tqdm(range(len(layers)), desc=f"building exit layers ({choice.name}, {choice.bits}-bit)",

@@ -119,6 +119,11 @@ class RiverConfig:
             saved River folder records it; a build given it reuses each kernel that exists on the
             machine instead of measuring (and warns once, naming the shapes, where one does not).
             None: every measured shape is measured (or taken from ``kernels.json``).
+        fuse_projections: each exit layer runs its q/k/v projections as one stacked product and its
+            gate/up projections as one (:mod:`river_hf.quant.fused`; 4 weight products per layer
+            instead of 7, split after; the KV share is unchanged); the stacked shapes get their
+            own kernel choice (e.g. ``int4:896x1152+bias``). Layers without those names are not
+            fused. The backbone is never fused. ``benchmarks/step_profile.py`` measures it.
 
     Raises (at construction):
         RiverError: τ not a number, ``min_layer`` < 1, unknown backend, prefill policy, strategy,
@@ -141,6 +146,7 @@ class RiverConfig:
     offload_from: int | None = None
     offload_dir: str | None = None
     kernel_choice: dict[str, str] | None = None
+    fuse_projections: bool = True
 
     def __post_init__(self):
         self.tau = check_tau(self.tau)
@@ -178,6 +184,8 @@ class RiverConfig:
                 and all(isinstance(k, str) and isinstance(v, str) for k, v in self.kernel_choice.items())):
             raise RiverError(f"kernel_choice must map shape keys to kernel names (e.g. {{\"int4:896x4864\": "
                              f"\"torch-int4\"}}) or be null, got {self.kernel_choice!r}")
+        if not isinstance(self.fuse_projections, bool):
+            raise RiverError(f"fuse_projections must be true or false, got {self.fuse_projections!r}")
         if self.rules is not None:
             try:
                 rules_from_config(self.rules)
