@@ -19,10 +19,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from river_hf import RiverForCausalLM, enable_river
 from river_hf.cli import main
-from river_hf.quant import KernelTuner, WeightOnlyKernel, autotune, get_backend, machine_id
+from river_hf.quant import KERNELS, KernelTuner, WeightOnlyKernel, autotune, machine_id
 from river_hf.quant.autotune import FORMAT_VERSION, read_cache, update_cache
 
-INT4 = get_backend("int4").candidates  # torch-int4, quanto-int4
+#: the candidate set of the kernels.json tests: two int4 kernels every machine has (what is tested
+#: there is the cache, not the registry's full candidate list)
+INT4 = (KERNELS["torch-int4"], KERNELS["quanto-int4"])
 
 
 class Script:

@@ -147,7 +147,9 @@ def drop_all(path: Path, *, as_json: bool = False) -> int:
 
 def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
     """Measure this machine's cached entries of ``shapes`` again now (their dtype, bias and
-    candidates as cached), drop those shapes' entries of other machines; returns 0.
+    candidates as cached), drop those shapes' entries of other machines, and drop (without
+    measuring) an entry naming a kernel not available here any more (its library uninstalled):
+    the next build measures that shape with the candidates it has. Returns 0.
 
     Raises:
         RiverError: a shape has no cached entry for this machine (nothing to measure it for).
@@ -167,12 +169,17 @@ def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
             f"no cached timings for {', '.join(missing)} on this machine in {path} (cached here: "
             f"{', '.join(cached) or 'none'}); a build with int4/int8 exit layers measures the shapes it needs")
     tuner = KernelTuner(False)
-    fresh = {}
+    fresh, gone = {}, []
     for key, e in mine.items():
+        candidates = [KERNELS[n] for n in e["candidates"]]
+        if not all(k.available("cpu") for k in candidates):  # e.g. onnxruntime uninstalled since
+            gone.append(key)  # a build measures this shape under its new candidate set
+            continue
         spec = LinearSpec(*map(int, e["shape"].split("x")), e["bias"], getattr(torch, e["dtype"]))
-        fresh[key] = tuner.measure_entry([KERNELS[n] for n in e["candidates"]], spec)
+        fresh[key] = tuner.measure_entry(candidates, spec)
     try:
-        update_cache(path, fresh, remove=lambda key, entry: entry["shape"] in shapes and entry["machine"] != here)
+        update_cache(path, fresh, remove=lambda key, entry: key in gone or (
+            entry["shape"] in shapes and entry["machine"] != here))
     except OSError as e:
         raise RiverError(f"cannot rewrite {path} ({e}); check its folder's permissions") from None
     rows = _rows(fresh)

@@ -21,11 +21,24 @@ Kernels (``KERNELS``):
         int4 kernel where ``in_features % 128 == 0``, a slow dequantizing path elsewhere).
     ``quanto-int8``: optimum-quanto ``qint8`` weights, bf16 activations (quanto dispatches to
         ``torch._weight_int8pack_mm`` on CPU, through its tensor subclass).
+    ``ort-int4`` / ``ort-int4-g32`` / ``ort-int8``: onnxruntime's ``MatMulNBits`` (MLAS), 4-bit
+        asymmetric (blocks of 128, 64 or 32 / of 32) or 8-bit symmetric (blocks of 128, 64 or 32)
+        weights, fp32 activations, accuracy level 4 (int8 dot products), one onnxruntime session
+        per Linear (:class:`~river_hf.quant.external.OrtMatMulNBitsLinear`). Needs onnxruntime.
+    ``torch-dyn-int8``: torch's fbgemm ``quantized::linear_dynamic``, per-channel int8 weights,
+        activations quantized per call (:class:`~river_hf.quant.external.DynamicInt8Linear`).
+    ``ark-int4`` / ``ark-int8``: Intel ARK ``woqgemm`` (auto-round-lib), 4-bit asymmetric groups of
+        128 (64, 32) / 8-bit per channel, int8 compute (:class:`~river_hf.quant.external.ArkWoqLinear`).
+        Needs auto-round-lib.
     ``copy``: an unquantized copy in the model's dtype: exit layers then compute exactly what the
         backbone computes, the reference for testing the routing itself.
 
+    Each kernel is *available* (:meth:`WeightOnlyKernel.available`) only where its library is
+    installed and a small product computes correctly on this CPU; a choice measures only the
+    available ones.
+
 Kernel *choices* (what ``RiverConfig.backend`` / ``exit_head`` name, see :func:`get_backend`):
-    ``int4-g32``: ``torch-int4-g32`` (no other kernel has groups of 32).
+    ``int4-g32``: the faster of ``torch-int4-g32`` and ``ort-int4-g32`` per shape (measured).
     ``int8`` / ``int4``: the fastest kernel of that weight width for each Linear's shape, chosen by
         a short measurement on the machine at hand (:mod:`.autotune`). The width is the quality
         knob (HumanEval pass@1 follows the exit layers' bits, docs/river.md); within one width the
@@ -53,6 +66,7 @@ import torch
 from torch import nn
 
 from ..errors import RiverError
+from .external import ArkWoqLinear, DynamicInt8Linear, OrtMatMulNBitsLinear, ark_works, dynamic_int8_works, ort_works
 from .modules import (CastLinear, CastMemo, Int4WeightOnlyLinear, Int8WeightOnlyLinear, fast_kernel_fraction,  # noqa: F401
                       kernel_name, linear_weight_bytes, relative_error)
 
@@ -79,9 +93,11 @@ class WeightOnlyKernel:
     """One way to run a Linear with cheaper weights.
 
     Attributes:
-        name: registry name (``torch-int8``, ``torch-int4``, ``quanto-int4``, ``quanto-int8``, ``copy``).
+        name: registry name (``torch-int8``, ``torch-int4``, ``quanto-int4``, ``ort-int4``, ..., ``copy``).
         bits: weight bits.
-        compute_dtype: activation dtype of the matmul; None keeps the model's dtype.
+        compute_dtype: activation dtype at the kernel's boundary; None keeps the model's dtype
+            (``ort-*``, ``ark-*``, ``torch-dyn-int8``: float32 in and out, int8 dot products inside).
+        group_size: the largest group of input channels sharing a scale (None: per output channel).
     """
 
     name: str
@@ -95,12 +111,17 @@ class WeightOnlyKernel:
             return Int4WeightOnlyLinear.supports(linear)
         if self.name == "torch-int8":
             return linear.in_features % 4 == 0
+        if self.name.startswith("ort-") or self.name == "ark-int4":
+            return linear.in_features % 32 == 0
         return True
 
     def available(self, device: torch.device | str = "cpu") -> bool:
         """Whether this machine has what the kernel runs on: torch's op for ``device``
-        (``_weight_int4pack_mm_for_cpu`` / ``_weight_int4pack_mm`` / ``_weight_int8pack_mm``), or
-        optimum-quanto for the quanto kernels. ``copy`` is always available."""
+        (``_weight_int4pack_mm_for_cpu`` / ``_weight_int4pack_mm`` / ``_weight_int8pack_mm``),
+        optimum-quanto for the quanto kernels, and for ``ort-*`` / ``ark-*`` / ``torch-dyn-int8`` a
+        CPU ``device`` and the library installed and computing a small product correctly here
+        (:func:`~river_hf.quant.external.ort_works`, ``ark_works``, ``dynamic_int8_works``: checked
+        once per process). ``copy`` is always available."""
         cpu = torch.device(device).type == "cpu"
         if self.name.startswith("torch-int4"):
             return hasattr(torch, "_weight_int4pack_mm_for_cpu" if cpu else "_weight_int4pack_mm")
@@ -111,6 +132,12 @@ class WeightOnlyKernel:
                 return importlib.util.find_spec("optimum.quanto") is not None
             except ImportError:  # no optimum at all
                 return False
+        if self.name.startswith("ort-"):
+            return cpu and ort_works()
+        if self.name.startswith("ark-"):
+            return cpu and ark_works()
+        if self.name == "torch-dyn-int8":
+            return cpu and dynamic_int8_works()
         return True
 
     def build(self, linear: nn.Linear, memo: CastMemo | None = None) -> nn.Module:
@@ -129,6 +156,18 @@ class WeightOnlyKernel:
                 return m
             if self.name.startswith("torch-int4"):
                 m = Int4WeightOnlyLinear(linear, self.compute_dtype, self.group_size or 128)
+                m.memo = memo
+                return m
+            if self.name.startswith(("ort-", "ark-", "torch-dyn")):
+                if not self.supports(linear):
+                    raise RiverError(f"{self.name} needs in_features divisible by 32, got "
+                                     f"{linear.in_features}x{linear.out_features}")
+                if self.name.startswith("ort-"):
+                    m = OrtMatMulNBitsLinear(linear, self.bits, self.group_size or 128, 4, kernel=self.name)
+                elif self.name.startswith("ark-"):
+                    m = ArkWoqLinear(linear, self.bits, self.group_size or 128, kernel=self.name)
+                else:
+                    m = DynamicInt8Linear(linear)
                 m.memo = memo
                 return m
             from optimum.quanto import freeze, qint4, qint8, quantize
@@ -152,6 +191,12 @@ KERNELS: dict[str, WeightOnlyKernel] = {
         WeightOnlyKernel("torch-int4-g32", 4, group_size=32),
         WeightOnlyKernel("quanto-int8", 8),
         WeightOnlyKernel("quanto-int4", 4),
+        WeightOnlyKernel("ort-int4", 4, torch.float32, group_size=128),
+        WeightOnlyKernel("ort-int4-g32", 4, torch.float32, group_size=32),
+        WeightOnlyKernel("ort-int8", 8, torch.float32, group_size=128),
+        WeightOnlyKernel("torch-dyn-int8", 8, torch.float32),
+        WeightOnlyKernel("ark-int4", 4, torch.float32, group_size=128),
+        WeightOnlyKernel("ark-int8", 8, torch.float32),
         WeightOnlyKernel("copy", 16, None),
     )
 }
@@ -219,11 +264,15 @@ class KernelChoice:
         return len(self.candidates) > 1
 
     def usable(self, linear: nn.Linear) -> list[WeightOnlyKernel]:
-        """The candidates with a real implementation for ``linear``'s shape on this machine (the
-        last candidate when none has)."""
+        """The candidates with a real implementation for ``linear``'s shape on this machine (when
+        none has: the last candidate available here, else the last; ``int4``/``int8`` end with
+        quanto, which packs every shape, on a slow path where it must)."""
         device = linear.weight.device
-        return ([k for k in self.candidates if k.supports(linear) and k.available(device)]
-                or list(self.candidates[-1:]))
+        usable = [k for k in self.candidates if k.supports(linear) and k.available(device)]
+        if usable:
+            return usable
+        available = [k for k in self.candidates if k.available(device)]
+        return (available or list(self.candidates))[-1:]
 
     def pick(self, linear: nn.Linear, tuner=None) -> tuple[WeightOnlyKernel, dict]:
         """The kernel for ``linear`` and the candidates' timings (µs per call; empty when nothing
@@ -315,9 +364,10 @@ class KernelPlan:
 
 #: the fixed-kernel names, and the two measured choices. ``quanto`` is the old name of ``quanto-int4``.
 BACKENDS: dict[str, KernelChoice] = {
-    "int8": KernelChoice("int8", (KERNELS["torch-int8"], KERNELS["quanto-int8"])),
-    "int4": KernelChoice("int4", (KERNELS["torch-int4"], KERNELS["quanto-int4"])),
-    "int4-g32": KernelChoice("int4-g32", (KERNELS["torch-int4-g32"],)),
+    "int8": KernelChoice("int8", tuple(KERNELS[k] for k in (
+        "torch-int8", "torch-dyn-int8", "ort-int8", "ark-int8", "quanto-int8"))),
+    "int4": KernelChoice("int4", tuple(KERNELS[k] for k in ("torch-int4", "ort-int4", "ark-int4", "quanto-int4"))),
+    "int4-g32": KernelChoice("int4-g32", (KERNELS["torch-int4-g32"], KERNELS["ort-int4-g32"])),
     **{name: KernelChoice(name, (k,)) for name, k in KERNELS.items()},
     "quanto": KernelChoice("quanto", (KERNELS["quanto-int4"],)),
 }

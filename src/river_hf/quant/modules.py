@@ -170,6 +170,9 @@ def relative_error(linear: nn.Linear, copy_: nn.Module, rows: int = 4) -> float:
 def kernel_name(module: nn.Module) -> str:
     """The kernel a built Linear copy runs on (``torch-int8``, ``quanto-int4``, ``dense`` ...)."""
     inner = module.inner if isinstance(module, CastLinear) else module
+    named = getattr(inner, "river_kernel", None)  # the modules of .external name their kernel
+    if isinstance(named, str):
+        return named
     if isinstance(inner, Int8WeightOnlyLinear):
         return "torch-int8"
     if isinstance(inner, Int4WeightOnlyLinear):
@@ -185,13 +188,16 @@ def linear_weight_bytes(module: nn.Module) -> int:
     """Bytes of weight storage read by one pass through ``module``'s Linears (quantized or not).
 
     Counts packed integer data, scales and zero points (torch-int8/int4 buffers, quanto's inner
-    tensors) and the plain weight (and bias) bytes of dense Linears. Used for the achieved
+    tensors, what an ``ort-*`` / ``ark-*`` / ``torch-dyn-int8`` module's ``weight_nbytes()``
+    reports) and the plain weight (and bias) bytes of dense Linears. Used for the achieved
     bandwidth figure (bytes per step x steps per second).
     """
     total = 0
     for m in module.modules():
         if isinstance(m, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
             total += sum(_tensor_bytes(b) for b in m.buffers(recurse=False))
+        elif callable(getattr(m, "weight_nbytes", None)):  # the modules of .external (weights outside torch)
+            total += int(m.weight_nbytes())
         elif isinstance(m, nn.Linear) or type(m).__name__.startswith("QLinear"):
             for t in (getattr(m, "weight", None), getattr(m, "bias", None)):
                 if t is not None:
