@@ -1,0 +1,295 @@
+"""The kernels of other libraries (onnxruntime MatMulNBits, torch fbgemm dynamic int8, ARK woqgemm):
+their products, River's exactness with them, the fully quantized mode, and their saved choice.
+
+Tiny random models; nothing timed. A test of a kernel whose library is not installed here is
+skipped (with the library named); the tests of what happens *without* a library run everywhere
+(its absence simulated where it is installed).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from river_hf import RiverForCausalLM, enable_river
+from river_hf.quant import BACKENDS, KERNELS, KernelTuner, autotune, get_backend, kernel_name, linear_weight_bytes
+from river_hf.quant import external
+from river_hf.quant import kernels as kernels_module
+from river_hf.quant.kernels import relative_error
+
+NEW = ["ort-int4", "ort-int4-g32", "ort-int8", "torch-dyn-int8", "ark-int4", "ark-int8"]
+LIBRARY = {"ort": "onnxruntime", "ark": "auto-round-lib", "torch": "torch's fbgemm quantized engine"}
+
+
+def need(name: str):
+    """Skip unless kernel ``name`` is available here."""
+    if not KERNELS[name].available("cpu"):
+        pytest.skip(f"{name} needs {LIBRARY[name.split('-')[0]]}, not usable here")
+    return KERNELS[name]
+
+
+def tiny(family: str = "llama", tie: bool = False):
+    torch.manual_seed(0)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompt(batch: int = 1):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 256, (batch, 12))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        ids[1, :5], mask[1, :5] = 0, 0  # left padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def grid_weight(name: str, linear: nn.Linear) -> torch.Tensor:
+    """``[out, in]`` float32: the weights kernel ``name`` is meant to multiply by (its grid)."""
+    w = linear.weight.detach().float()
+    n, k = w.shape
+    kernel = KERNELS[name]
+    if kernel.bits == 4:
+        g = external.block_size_for(k, kernel.group_size)
+        q, s, zp = external._asymmetric_int4(w, g)
+        return ((q.float().reshape(n, k // g, g) - zp.float()[..., None]) * s[..., None]).reshape(n, k)
+    g = k if name in ("ark-int8", "torch-dyn-int8") else external.block_size_for(k, kernel.group_size)
+    q, s = external._symmetric_int8(w, g)
+    return (q.float().reshape(n, k // g, g) * s[..., None]).reshape(n, k)
+
+
+# -- the products ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("bias", [False, True])
+def test_new_kernel_matches_dense_within_its_width(name, bias):
+    kernel = need(name)
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=bias)
+    q = kernel.build(linear)
+    x = torch.randn(2, 3, 256)
+    y = q(x)
+    assert y.shape == (2, 3, 96) and y.dtype == torch.float32
+    err = relative_error(linear, q)
+    # the same bounds as torch's own kernels (tests/test_quant.py); dynamic int8 also quantizes
+    # the activations per tensor, which adds about as much again
+    assert 0 < err < (0.03 if kernel.bits == 8 else 0.2), err
+    assert linear_weight_bytes(q) < linear_weight_bytes(linear) * (0.36 if kernel.bits == 8 else 0.2)
+    assert kernel_name(q) == name
+    # what the kernel adds to its own weight grid (int8 activations): small. A wrong packing
+    # (nibble order, zero points, block layout) would be as far off as a random matrix.
+    with torch.no_grad():
+        ref = x @ grid_weight(name, linear).T + (linear.bias if bias else 0)
+    assert float((y - ref).norm() / ref.norm()) < 0.03
+    assert torch.equal(q(x), y)  # deterministic
+
+
+@pytest.mark.parametrize("name", ["ort-int4", "ort-int4-g32", "ark-int4"])
+def test_int4_kernels_pack_an_odd_number_of_blocks(name):
+    kernel = need(name)
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 48)  # 96 = 3 blocks of 32: the last zero-point byte is half padding
+    q = kernel.build(linear)
+    x = torch.randn(5, 96)
+    with torch.no_grad():
+        ref = x @ grid_weight(name, linear).T + linear.bias
+    assert float((q(x) - ref).norm() / ref.norm()) < 0.03
+    assert not kernel.supports(nn.Linear(100, 8))
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_new_kernel_keeps_the_dtype_at_its_boundary_and_takes_empty_batches(name):
+    kernel = need(name)
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64, bias=False).to(torch.bfloat16)
+    q = kernel.build(linear)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    y = q(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 64)
+    assert relative_error(linear, q) < (0.04 if kernel.bits == 8 else 0.2)
+    empty = q(torch.randn(0, 128, dtype=torch.bfloat16))
+    assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["ort-int4", "torch-dyn-int8", "ark-int4"])
+def test_a_deep_copy_computes_the_same(name):
+    kernel = need(name)
+    q = kernel.build(nn.Linear(128, 32))
+    x = torch.randn(2, 128)
+    twin = copy.deepcopy(q)
+    assert twin is not q and torch.equal(twin(x), q(x))
+
+
+def test_matmul_nbits_model_is_what_onnxruntime_reads():
+    need("ort-int4")
+    import numpy as np
+    import onnxruntime as ort
+
+    # 8-bit, one block of 16, no zero points (the operator's default 128): W = (B - 128) * 0.5
+    b = np.full((2, 1, 16), 130, np.uint8)  # every weight (130 - 128) * 0.5 = 1
+    scales = np.full(2, 0.5, np.float32)
+    model = external.matmul_nbits_model(16, 2, 8, 16, 0, b.tobytes(), scales.tobytes())
+    sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    (inp,), (out,) = sess.get_inputs(), sess.get_outputs()
+    assert (inp.name, inp.shape, out.name, out.shape) == ("A", ["M", 16], "Y", ["M", 2])
+    y = sess.run(None, {"A": np.arange(16, dtype=np.float32)[None]})[0]
+    assert y.tolist() == [[120.0, 120.0]]
+
+
+# -- River with the new kernels ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", NEW)
+def test_tau_above_one_is_token_identical_with_the_new_kernels(family, name):
+    need(name)
+    model = tiny(family)
+    inputs = prompt(2)
+    ref = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    enable_river(model, tau=2.0, backend=name, exit_head=name, progress=False)
+    assert {k["kernel"] for k in model.river_kernels()} == {name}
+    assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False), ref)
+    assert model.river_stats["exit_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_fully_quantized_mode_runs_on_each_new_kernel(name):
+    need(name)
+    model = tiny("qwen2")
+    ids = prompt()["input_ids"]
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    enable_river(model, tau=2.0, backend=name, exit_head=name, progress=False)
+    with torch.no_grad(), model.river_mode("exit"):
+        logits = model(input_ids=ids).logits
+        out = model.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 18) and model.river_stats["exit_fraction"] == 1.0
+    # every layer and the head on the quantized copies: near the dense logits, far from noise
+    err = float((logits - ref).norm() / ref.norm())
+    assert torch.isfinite(logits).all() and err < (0.1 if KERNELS[name].bits == 8 else 0.5), err
+    from river_hf.river.arch import decoder_stack
+
+    dense = sum(linear_weight_bytes(layer.backbone) for layer in decoder_stack(model)[1])
+    dense += linear_weight_bytes(model.get_output_embeddings().backbone)
+    assert model.river_stats["weight_bytes_per_token"] < dense * (0.4 if KERNELS[name].bits == 8 else 0.25)
+
+
+def test_the_measured_choices_include_the_available_new_kernels():
+    linear = nn.Linear(256, 128)
+    for choice, names in (("int4", ("ort-int4", "ark-int4")), ("int8", ("torch-dyn-int8", "ort-int8", "ark-int8")),
+                          ("int4-g32", ("ort-int4-g32",))):
+        usable = {k.name for k in get_backend(choice).usable(linear)}
+        assert usable >= {n for n in names if KERNELS[n].available("cpu")}
+        assert usable <= {k.name for k in BACKENDS[choice].candidates}
+    # the tuner measures each of them (no timing is asserted, only that every candidate got one)
+    candidates = get_backend("int4").usable(linear)
+    timings = KernelTuner(False, rounds=1, stream_bytes=1 << 16).measure(candidates, linear)
+    assert set(timings) == {k.name for k in candidates} and all(t > 0 for t in timings.values())
+
+
+def without(monkeypatch, prefix: str) -> None:
+    """Make the kernels whose names start with ``prefix`` unavailable (their library 'absent')."""
+    available = kernels_module.WeightOnlyKernel.available
+    monkeypatch.setattr(kernels_module.WeightOnlyKernel, "available",
+                        lambda self, device="cpu": not self.name.startswith(prefix) and available(self, device))
+
+
+def test_without_onnxruntime_the_choices_fall_back_to_the_other_kernels(monkeypatch):
+    monkeypatch.setattr(kernels_module, "ort_works", lambda: False)  # what available() asks
+    assert not any(KERNELS[n].available("cpu") for n in ("ort-int4", "ort-int4-g32", "ort-int8"))
+    linear = nn.Linear(256, 128)
+    assert [k.name for k in get_backend("int4-g32").usable(linear)] == ["torch-int4-g32"]
+    assert not any(k.name.startswith("ort-") for k in get_backend("int4").usable(linear))
+    # a shape nothing packs falls back to quanto (the last int4 candidate), as before
+    assert [k.name for k in get_backend("int4").usable(nn.Linear(100, 8))] == ["quanto-int4"]
+
+
+# -- the saved choice ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    """Measurement on, in a private cache, with scripted timings: ``ort-int4`` fastest."""
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RIVER_HF_AUTOTUNE", "1")
+    monkeypatch.setattr(autotune, "load_average", lambda: 0.1)
+    us = {"ort-int4": 10.0, "torch-int4": 20.0}
+    monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear: {k.name: us.get(k.name, 50.0)
+                                                                                   for k in candidates})
+
+
+def exit_logits(model) -> torch.Tensor:
+    with torch.no_grad(), model.river_mode("exit"):
+        return model(input_ids=torch.arange(3, 15)[None]).logits
+
+
+def test_kernel_choice_naming_onnxruntime_round_trips_and_falls_back_without_it(tmp_path, measured, monkeypatch):
+    need("ort-int4")
+    model = enable_river(tiny("qwen2"), tau=0.9, backend="int4", exit_head="int4", progress=False)
+    choice = model.river_config.kernel_choice
+    assert choice and set(choice.values()) == {"ort-int4"}
+    reference = exit_logits(model)
+    folder = tmp_path / "river-folder"
+    model.save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["river"]["kernel_choice"] == choice
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every saved kernel exists here: nothing to warn about
+        loaded = RiverForCausalLM.from_pretrained(str(folder), progress=False)
+    assert loaded.river_config.kernel_choice == choice and {k["kernel"] for k in loaded.river_kernels()} == {"ort-int4"}
+    assert torch.equal(exit_logits(loaded), reference)  # exit copies rebuilt from the backbone: the same model
+
+    without(monkeypatch, "ort-")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = RiverForCausalLM.from_pretrained(str(folder), progress=False)
+    ours = [str(w.message) for w in caught if "saved kernel choice" in str(w.message)]
+    assert len(ours) == 1 and "saved ort-int4 (not available on this machine)" in ours[0]
+    assert "ort-int4" not in {k["kernel"] for k in fallback.river_kernels()}
+    assert torch.allclose(exit_logits(fallback), reference, atol=0.5)  # another int4 grid, the same model
+
+
+def test_a_folder_naming_onnxruntime_loads_without_it(tmp_path, monkeypatch):
+    """Runs with or without onnxruntime installed: a saved choice of ort-int4 on a machine where it
+    is not available warns once and uses this machine's int4 kernel."""
+    without(monkeypatch, "ort-")
+    model = enable_river(tiny("llama"), tau=0.9, backend="int4", exit_head="int4", progress=False)
+    folder = tmp_path / "river-folder"
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["river"]["kernel_choice"] = {key: "ort-int4" for key in config["river"]["kernel_choice"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = RiverForCausalLM.from_pretrained(str(folder), progress=False)
+    ours = [str(w.message) for w in caught if "saved kernel choice" in str(w.message)]
+    assert len(ours) == 1 and "not available on this machine" in ours[0] and "using torch-int4" in ours[0]
+    assert set(loaded.river_config.kernel_choice.values()) == {"torch-int4"}
+
+
+def test_remeasure_drops_an_entry_whose_kernel_is_gone(tmp_path, monkeypatch, capsys):
+    from river_hf.cli import main
+    from river_hf.quant.autotune import read_cache
+
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "load_average", lambda: 0.1)
+    monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear: {k.name: 10.0 for k in candidates})
+    cache = tmp_path / "cache" / "kernels.json"
+    both = [KERNELS["torch-int4"], KERNELS["ort-int4"]]
+    KernelTuner().choose(both, nn.Linear(128, 64))
+    KernelTuner().choose(both[:1] + [KERNELS["quanto-int4"]], nn.Linear(128, 64))
+    without(monkeypatch, "ort-")
+    assert main(["kernels", "--remeasure", "128x64"]) == 0
+    capsys.readouterr()
+    left = [e["candidates"] for e in read_cache(cache)[0].values()]
+    assert left == [["quanto-int4", "torch-int4"]]  # measured again; the ort entry dropped
