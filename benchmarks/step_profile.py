@@ -1,0 +1,419 @@
+"""Where one decode step goes, per mode, and what fusing the exit layers' projections changes.
+
+One process, one model load (``RiverForCausalLM.from_pretrained(--model)``, the model's own River
+settings). Two parts:
+
+**Step profile.** Each mode decodes the same prompt greedily, exactly ``--new-tokens`` tokens:
+
+- ``unmodified``: the plain transformers model over River's backbone tensors (``river_hf.plain_model``);
+- ``river``: River with the model's settings (route mode: the exit rule decides per step);
+- ``exit``: fully quantized (``river_mode("exit")``: every layer its exit copy, the exit head);
+- ``lossless``: River lossless with exit-path drafts only (``prompt_lookup_tokens=0``) and a
+  constant draft length ``--draft-tokens`` k, split into its ``lossless draft`` passes (one token
+  through the exit path) and its ``lossless verify`` passes (k+1 rows on the backbone).
+
+Attribution is by module forward hooks, exclusive (self) wall time: every module of the model gets
+a category, a module's time minus its children's goes to its category, and River's own
+per-pass work (``RiverRouter.begin`` / ``after_backbone`` / ``end``, the ``RiverLayer`` and
+``RiverHead`` wrappers) goes to ``routing``. Categories:
+
+- ``backbone products``: the backbone's ``nn.Linear`` modules (decoder layers);
+- ``exit products``: the exit layers' Linear copies (quantized kernels, their input casts, the
+  fused products and their slices);
+- ``head``: the LM head (original or exit head, and its wrapper);
+- ``attention``: the attention modules minus their projections (rotary application, the KV-cache
+  update, SDPA, reshapes);
+- ``norms/rotary/elementwise``: norms, the rotary-embedding module, the MLP's activation and
+  product, the decoder layers' residual adds, the embedding lookup;
+- ``routing``: River's exit decision (state transition similarity, the rules) and its wrappers;
+- ``forward glue``: the decoder stack and the CausalLM forward themselves (mask creation, output
+  objects, logits slicing; in lossless verify passes, entering the verify kernel mode);
+- ``generate loop``: the time between one forward pass's end and the next one's start
+  (transformers' loop: logits processors, argmax, stopping criteria, streamer, input preparation,
+  River's ``prepare_inputs_for_generation``; in lossless mode the drafter's and assisted
+  decoding's work, charged to the pass that follows it).
+
+The decode step of a mode is the mean over its decode passes (the prefill pass is left out).
+Profiler overhead: each profiled run is paired with an unprofiled run of the same mode, and the
+profiled decode time per token is compared with the unprofiled one (``overhead``).
+
+**Fusion** (``--fusion``): the exit layers are built twice, with ``fuse_projections`` on and off
+(same backbone, same kernel choice per shape, swapped in place), and ``river_hf.timing.compare``
+times ``exit`` and ``river`` with each against the unmodified model: one warm-up, ``--repeats``
+alternating rounds, median and min-max.
+
+The 1-minute load average is recorded before and after (``river_hf.quant.autotune.load_average``);
+on a loaded machine the timings mean little.
+
+Run: ``python benchmarks/step_profile.py --model qwen2.5-coder-0.5b --new-tokens 64 --repeats 3 --fusion``
+(writes ``docs/results/step_profile_<model>.json`` and ``.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CATEGORIES = ("backbone products", "exit products", "head", "attention", "norms/rotary/elementwise", "routing",
+              "forward glue", "generate loop")
+PROMPT = ('def separate_paren_groups(paren_string: str) -> list[str]:\n    """Input to this function is a string '
+          'containing multiple groups of nested parentheses. Separate those groups into separate strings and '
+          'return the list of those."""\n')
+MODES = ("unmodified", "river", "exit", "lossless")
+
+
+def linear_like(module: nn.Module) -> bool:
+    """A weight product module: a Linear or one of river-hf's built copies of one."""
+    from river_hf.quant import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+    from river_hf.quant.fused import FusedProjection, ProjectionSlice
+
+    return isinstance(module, (nn.Linear, CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, FusedProjection,
+                               ProjectionSlice)) or type(module).__name__.startswith("QLinear")
+
+
+def categories(model: nn.Module) -> dict[int, str]:
+    """``{id(module): category}`` for every module of ``model`` (a River or plain model) but the
+    top one (timed as ``forward glue`` by the pass hooks)."""
+    from river_hf.river.layer import RiverHead, RiverLayer
+
+    cats: dict[int, str] = {}
+    head = model.get_output_embeddings()
+
+    def walk(module: nn.Module, where: str):
+        for child in module.children():
+            name = type(child).__name__
+            if child is head or where == "head":
+                cat, inner = "head", "head"
+            elif isinstance(child, RiverLayer):
+                cat, inner = "routing", "layer"
+            elif linear_like(child):
+                cat, inner = ("exit products" if where == "exit" else "backbone products"), where
+            elif "Attention" in name:
+                cat, inner = "attention", where
+            elif isinstance(child, nn.ModuleList) or "Model" in name:
+                cat, inner = "forward glue", where
+            else:
+                cat, inner = "norms/rotary/elementwise", where
+            cats.setdefault(id(child), cat)
+            if isinstance(child, RiverLayer):
+                cats[id(child.backbone)] = "norms/rotary/elementwise"
+                cats[id(child.exit_layer)] = "norms/rotary/elementwise"
+                walk(child.backbone, "backbone")
+                walk(child.exit_layer, "exit")
+            elif isinstance(child, RiverHead):
+                walk(child, "head")
+            else:
+                walk(child, inner)
+
+    walk(model, "backbone")
+    return cats
+
+
+class StepProfiler:
+    """Exclusive wall time per category of every forward pass of one model, and the gaps between
+    passes (see the module docstring). Use as a context manager around ``generate``; afterwards
+    :attr:`passes` holds one dict per top-level forward: ``tokens``, ``mode`` (the River router's
+    mode during the pass, None for a plain model), ``start``/``end`` (perf_counter s), ``gap``
+    (s since the previous pass ended; None for the first), ``seconds`` ({category: s})."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.cats = categories(model)
+        self.passes: list[dict] = []
+        self.stack: list[list] = []  # [category, start, child seconds]
+        self.handles: list = []
+        self.patched: list = []
+
+    def push(self, cat: str) -> None:
+        self.stack.append([cat, time.perf_counter(), 0.0])
+
+    def pop(self) -> None:
+        cat, start, child = self.stack.pop()
+        elapsed = time.perf_counter() - start
+        if self.passes and self.passes[-1]["end"] is None:
+            seconds = self.passes[-1]["seconds"]
+            seconds[cat] = seconds.get(cat, 0.0) + elapsed - child
+        if self.stack:
+            self.stack[-1][2] += elapsed
+
+    def __enter__(self):
+        cats = self.cats
+        router = getattr(self.model, "river", None)
+
+        def pre(module, args):
+            cat = cats.get(id(module))
+            if cat is not None:
+                self.push(cat)
+
+        def post(module, args, output):
+            if id(module) in cats:
+                self.pop()
+
+        def top_pre(module, args, kwargs):
+            x = kwargs.get("input_ids", args[0] if args else None)
+            now = time.perf_counter()
+            last = self.passes[-1]["end"] if self.passes else None
+            self.passes.append({"tokens": int(x.shape[1]) if isinstance(x, torch.Tensor) else None,
+                                "mode": router.mode if router is not None else None, "start": now,
+                                "gap": None if last is None else now - last, "end": None, "seconds": {}})
+            self.push("forward glue")
+
+        def top_post(module, args, kwargs, output):
+            self.pop()
+            self.passes[-1]["end"] = time.perf_counter()
+
+        self.handles = [nn.modules.module.register_module_forward_pre_hook(pre),
+                        nn.modules.module.register_module_forward_hook(post, always_call=True),
+                        self.model.register_forward_pre_hook(top_pre, with_kwargs=True, prepend=True),
+                        self.model.register_forward_hook(top_post, with_kwargs=True, always_call=True)]
+        if router is not None:
+            for name in ("begin", "after_backbone", "end"):
+                method = getattr(router, name)
+
+                def timed(*a, _method=method, **k):
+                    self.push("routing")
+                    try:
+                        return _method(*a, **k)
+                    finally:
+                        self.pop()
+
+                setattr(router, name, timed)
+                self.patched.append((router, name))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        for obj, name in self.patched:
+            delattr(obj, name)  # the instance attribute goes, the class's method is back
+        self.handles, self.patched = [], []
+
+
+def step_rows(passes: list[dict], mode: str) -> dict[str, dict]:
+    """Mean ms per category of the decode passes (prefill left out; lossless: draft and verify
+    passes apart), ``generate loop`` = mean gap before such a pass."""
+    decode = passes[1:]
+    if mode == "lossless":
+        groups = {"lossless draft": [p for p in decode if p["tokens"] == 1 and p["mode"] in ("route", "exit")],
+                  "lossless verify": [p for p in decode if (p["tokens"] or 0) > 1]}
+    else:
+        groups = {mode: decode}
+    rows = {}
+    for label, ps in groups.items():
+        if not ps:
+            continue
+        ms = {c: 1e3 * sum(p["seconds"].get(c, 0.0) for p in ps) / len(ps) for c in CATEGORIES if c != "generate loop"}
+        ms["generate loop"] = 1e3 * sum(p["gap"] or 0.0 for p in ps) / len(ps)
+        rows[label] = {"ms": ms, "passes": len(ps), "tokens_per_pass": sum(p["tokens"] for p in ps) / len(ps)}
+    return rows
+
+
+def run_mode(model, plain, mode: str, new_tokens: int):
+    """What one greedy generate call of ``mode`` needs: (the model, the mode's context, generate
+    keyword arguments: exactly ``new_tokens`` new tokens)."""
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if mode == "unmodified":
+        return plain, contextlib.nullcontext(), gen
+    if mode == "river":
+        return model, model.river_mode("route"), gen
+    if mode == "exit":
+        return model, model.river_mode("exit"), gen
+    return model, model.river_mode("lossless"), gen
+
+
+def lossless_settings(model, draft_tokens: int):
+    """The model's settings with exit-path drafts only, k = ``draft_tokens`` every round."""
+    return dataclasses.replace(model.river_config, prompt_lookup_tokens=0, draft_schedule="constant",
+                               draft_tokens=draft_tokens, max_draft_tokens=max(draft_tokens,
+                                                                                model.river_config.max_draft_tokens))
+
+
+def profile(model, plain, inputs: dict, new_tokens: int, repeats: int, draft_tokens: int) -> dict:
+    from river_hf.timing import measure_generate
+
+    saved = model.river_config
+    results: dict[str, list] = {}
+    overhead: dict[str, list] = {m: [] for m in MODES}
+    step_ms: dict[str, list] = {m: [] for m in MODES}
+    try:
+        model.river_config = lossless_settings(model, draft_tokens)
+        for r in range(repeats + 1):  # round 0: warm-up, not kept
+            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                m, ctx, gen = run_mode(model, plain, mode, new_tokens)
+                with ctx:
+                    bare = measure_generate(m, inputs, **gen)
+                    with StepProfiler(m) as prof:
+                        profiled = measure_generate(m, inputs, **gen)
+                if r == 0:
+                    continue
+                per_token = lambda x: x.decode_s / max(x.decode_tokens, 1)  # noqa: E731
+                overhead[mode].append(per_token(profiled) / per_token(bare) - 1.0)
+                step_ms[mode].append(1e3 * per_token(bare))
+                for label, row in step_rows(prof.passes, mode).items():
+                    results.setdefault(label, []).append(row)
+    finally:
+        model.river_config = saved
+    out = {}
+    for label, rows in results.items():
+        ms = {c: statistics.median(row["ms"][c] for row in rows) for c in CATEGORIES}
+        totals = [sum(row["ms"].values()) for row in rows]
+        total = statistics.median(totals)
+        mode = "lossless" if label.startswith("lossless") else label
+        out[label] = {"ms": ms, "share": {c: v / total for c, v in ms.items()},
+                      "total_ms": {"median": total, "min": min(totals), "max": max(totals)},
+                      "passes_per_run": rows[0]["passes"], "tokens_per_pass": rows[0]["tokens_per_pass"],
+                      "unprofiled_ms_per_token": statistics.median(step_ms[mode]),
+                      "profiler_overhead": {"median": statistics.median(overhead[mode]),
+                                            "min": min(overhead[mode]), "max": max(overhead[mode])}}
+    return out
+
+
+def fusion(model, plain, inputs: dict, new_tokens: int, repeats: int) -> dict:
+    """Decode tokens/s of ``exit`` and ``river`` with fused and unfused exit layers (see the module
+    docstring)."""
+    from river_hf.quant import KernelPlan, default_tuner
+    from river_hf.river.build import build_exit_copy
+    from river_hf.river.layer import RiverLayer
+    from river_hf.timing import compare, measure_generate
+
+    layers = [m for m in model.modules() if isinstance(m, RiverLayer)]
+    config = model.river_config
+    plan = KernelPlan(default_tuner(), config.kernel_choice)
+    sets = {config.fuse_projections: [layer.exit_layer for layer in layers]}
+    other = not config.fuse_projections
+    with torch.no_grad():
+        sets[other] = [build_exit_copy(layer.backbone, dataclasses.replace(config, fuse_projections=other), plan)
+                       .eval() for layer in layers]
+
+    def use(fuse: bool):
+        for layer, exit_layer in zip(layers, sets[fuse]):
+            layer.exit_layer = exit_layer
+
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    def run(mode: str, fuse: bool):
+        use(fuse)
+        with model.river_mode(mode):
+            return measure_generate(model, inputs, **gen)
+
+    configs = {"unmodified": lambda: measure_generate(plain, inputs, **gen)}
+    for mode in ("exit", "route"):
+        for fuse in (True, False):
+            label = f"{'fully quantized' if mode == 'exit' else 'river'} {'fused' if fuse else 'unfused'}"
+            configs[label] = lambda mode=mode, fuse=fuse: run(mode, fuse)
+    try:
+        comparison = compare(configs, reference="unmodified", repeats=repeats, interleave=False, progress=True,
+                             reference_kind="plain transformers model (river_hf.plain_model)")
+    finally:
+        use(config.fuse_projections)
+    print(comparison.table())
+    return comparison.to_dict()
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from river_hf.files import save_figure
+
+    labels = list(report["profile"])
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    left = [0.0] * len(labels)
+    for c in CATEGORIES:
+        vals = [report["profile"][lb]["ms"][c] for lb in labels]
+        ax.barh(labels, vals, left=left, label=c)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per decode pass (exclusive wall time, module hooks)")
+    ax.set_title(f"{report['model']}: one decode step, {report['threads']} threads, load {report['load_before']}")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def table(report: dict) -> str:
+    head = "| mode | " + " | ".join(CATEGORIES) + " | total ms | profiler overhead |"
+    lines = [head, "|" + "---|" * (len(CATEGORIES) + 3)]
+    for label, row in report["profile"].items():
+        cells = [f"{row['ms'][c]:.2f} ({100 * row['share'][c]:.0f}%)" for c in CATEGORIES]
+        o = row["profiler_overhead"]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {row['total_ms']['median']:.1f} | "
+                     f"{100 * o['median']:+.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--draft-tokens", type=int, default=4, help="lossless: constant draft length k")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--fusion", action="store_true", help="also time fused against unfused exit layers")
+    p.add_argument("--no-profile", action="store_true", help="skip the step profile (only --fusion)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a RiverConfig field for the build (JSON value), e.g. fuse_projections=false")
+    p.add_argument("--out", default=None, help="JSON path (default docs/results/step_profile_<model>.json)")
+    args = p.parse_args(argv)
+
+    from river_hf import RiverForCausalLM, plain_model
+    from river_hf.models import resolve
+    from river_hf.quant.autotune import load_average
+    from transformers import AutoTokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = {}
+    for kv in args.set:
+        k, _, v = kv.partition("=")
+        try:
+            overrides[k] = json.loads(v)
+        except ValueError:
+            overrides[k] = v
+    load_before = load_average()
+    folder = resolve(args.model, progress=False)
+    kwargs = {}
+    if overrides:
+        from river_hf.river.config import default_config
+
+        kwargs["river_config"] = dataclasses.replace(default_config(args.model), **overrides)
+    model = RiverForCausalLM.from_pretrained(args.model, progress=False, dtype=torch.float32, **kwargs)
+    plain = plain_model(model)
+    tok = AutoTokenizer.from_pretrained(folder)
+    inputs = dict(tok(PROMPT, return_tensors="pt"))
+    report = {"model": args.model, "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "draft_tokens": args.draft_tokens, "threads": torch.get_num_threads(),
+              "river_config": {k: v for k, v in model.river_config.to_dict().items() if k != "kernel_choice"},
+              "load_before": load_before, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+              "torch": torch.__version__}
+    with torch.no_grad():
+        if not args.no_profile:
+            report["profile"] = profile(model, plain, inputs, args.new_tokens, args.repeats, args.draft_tokens)
+        if args.fusion:
+            report["fusion"] = fusion(model, plain, inputs, args.new_tokens, args.repeats)
+    report["load_after"] = load_average()
+    out = Path(args.out or Path(__file__).resolve().parent.parent / "docs" / "results" / f"step_profile_{args.model}.json")
+    from river_hf.files import write_json
+
+    write_json(out, report)
+    if "profile" in report:
+        print(table(report))
+        plot(report, out.with_suffix(".png"))
+    print(f"load average {load_before} -> {report['load_after']}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

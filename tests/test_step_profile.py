@@ -1,0 +1,42 @@
+"""benchmarks/step_profile.py's attribution on a tiny River model: every module gets a category,
+the categories of a pass add up to the pass's wall time, River's routing and the exit layers'
+products are seen where they run, and the hooks are gone afterwards (no speed is asserted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from benchmark_scripts import load_benchmark
+from river_hf import enable_river
+from river_hf.river import RiverConfig
+
+from test_river_core import batch_inputs, tiny_model
+
+sp = load_benchmark("step_profile")
+
+
+@pytest.mark.filterwarnings("ignore:tau=-2 is negative")
+def test_profiler_partitions_each_pass_and_cleans_up():
+    model = enable_river(tiny_model("qwen2"), config=RiverConfig(tau=-2.0, min_layer=1, backend="torch-int4"),
+                         progress=False)
+    cats = sp.categories(model)
+    exit_attn = model.model.layers[1].exit_layer.self_attn
+    assert cats[id(model.model.layers[1])] == "routing"
+    assert cats[id(exit_attn)] == "attention"
+    assert cats[id(exit_attn.river_fused_qkv)] == "exit products"
+    assert cats[id(model.model.layers[0].backbone.self_attn.q_proj)] == "backbone products"
+    assert cats[id(model.lm_head)] == "head"
+    inputs = {k: v[:1] for k, v in batch_inputs().items()}
+    with torch.no_grad(), sp.StepProfiler(model) as prof:
+        model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert len(prof.passes) == 4 and [p["tokens"] for p in prof.passes] == [12, 1, 1, 1]
+    for p in prof.passes:
+        assert sum(p["seconds"].values()) == pytest.approx(p["end"] - p["start"], rel=0.02)
+        assert p["seconds"]["routing"] > 0 and p["seconds"]["exit products"] > 0
+    assert all(p["gap"] > 0 for p in prof.passes[1:])
+    rows = sp.step_rows(prof.passes, "river")
+    assert set(rows["river"]["ms"]) == set(sp.CATEGORIES) and rows["river"]["passes"] == 3
+    # hooks removed, router methods back to the class's
+    assert not nn.modules.module._global_forward_hooks and "begin" not in vars(model.river)
