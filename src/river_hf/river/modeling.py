@@ -368,6 +368,14 @@ class RiverForCausalLM(RiverSettingsMixin):
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused, and so ``generate_batch``: its passes pack every request in flight into one row and River
+        takes one exit decision per pass, so answers would depend on the other requests (SmolLM2: 2 of 4
+        differed from their answers alone). Raises :class:`RiverError`."""
+        raise RiverError("River models do not run transformers' continuous batching (generate_batch): its passes mix "
+                         "the tokens of every request in flight and River takes one exit decision per pass, so answers "
+                         "would depend on the other requests; call generate per request (river-hf serve queues them)")
+
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         """Never auto-compile (a static cache would otherwise compile the forward on a GPU)."""
         if generation_config.compile_config is not None and not generation_config.disable_compile:
