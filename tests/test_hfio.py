@@ -48,7 +48,9 @@ def tiny_river_folder(tmp_path):
 
 def test_folder_layout_and_plain_load(tiny_river_folder):
     cfg = json.loads((tiny_river_folder / "config.json").read_text())
-    assert cfg["auto_map"] == {"AutoModelForCausalLM": "modeling_river.RiverLlamaForCausalLM"}
+    # AutoModelForDecision: the class `transformers serve` loads first (docs/serve.md)
+    assert cfg["auto_map"] == {"AutoModelForCausalLM": "modeling_river.RiverLlamaForCausalLM",
+                               "AutoModelForDecision": "modeling_river.RiverLlamaForCausalLM"}
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["river"]["tau"] == 0.5 and cfg["river"]["backend"] == "copy"
     assert cfg["river"]["quantization"]["name"] == "copy"

@@ -72,6 +72,13 @@ INSTALL_HINT = (
     "`pip install <path to the river-hf checkout>` into an environment that has torch"
 )
 
+#: The Auto classes a River folder's ``auto_map`` sends to its River class. ``AutoModelForDecision``
+#: because ``transformers serve`` (5.24, ``ModelManager._load_model``) loads a model through it
+#: first (a decision model; any other chat model answers the decision task by its next-token
+#: logits, as the ``decision`` pipeline does) and only then by ``config.architectures[0]``, which
+#: names the plain class: with ``--trust-remote-code`` the folder is then served as River.
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForDecision")
+
 #: config.json key recording where the base weights come from (see the module docstring).
 SOURCE_KEY = "river_source"
 
@@ -391,7 +398,7 @@ def save_river(model, save_directory, *, card: str | None = None, tokenizer=None
     try:
         settings = dataclasses.replace(model.river_config, offload_dir=None).to_dict()
         base = base_class(type(model))
-        auto_map = {"AutoModelForCausalLM": f"{Path(MODELING_FILE).stem}.River{base.__name__}"}
+        auto_map = {auto_class: f"{Path(MODELING_FILE).stem}.River{base.__name__}" for auto_class in AUTO_CLASSES}
         source = _source(model)
         extra = {SOURCE_KEY: source if any(source.values()) else _MISSING,
                  "_model_name_or_path": _MISSING}  # a GGUF's label ("... AWQ"), not where these weights are
