@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create ./.venv (once) with torch 2.13.0 and river-hf with its test/eval extras (editable).
+# Create ./.venv (once) with torch 2.13.0 and river-hf with its test/eval/serve extras (editable).
 # torch comes from pip's configured index (PyPI or a mirror), pinned. On Linux x86-64 PyPI serves a
 # multi-GB CUDA build; for the CPU build set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # (or any other torch index). No other index is contacted unless asked for.
@@ -28,6 +28,6 @@ else
       "build: this can take many minutes; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU build) ..."
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
-say "installing river-hf (editable), its dependencies (transformers, optimum-quanto, ...) and the test and eval extras (pytest, datasets, ...) ..."
+say "installing river-hf (editable), its dependencies (transformers, optimum-quanto, ...) and the test, eval and serve extras (pytest, datasets, fastapi, uvicorn, ...) ..."
 "${PIP[@]}" -e ".[dev]"
 say "done: .venv/bin/river-hf and .venv/bin/python -m pytest are ready"

@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "river_hf.stitch.cli",
     "river_hf.diffusion.cli",
     "river_hf.quant.cli",
+    "river_hf.serve.cli",
 )
 
 

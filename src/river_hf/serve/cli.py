@@ -1,0 +1,145 @@
+"""``river-hf serve``: an OpenAI-compatible HTTP server (``transformers serve``'s own app) on a River model.
+
+Arguments are checked before anything heavy is imported or loaded (a bad τ, a port in use, the
+serving extras missing: one ``river-hf: error:`` line, exit 2); the model is loaded before the
+server listens, and one ``river-hf serve: ready on http://HOST:PORT ...`` line on stdout says
+when requests are answered (``--port 0``: a free port, named in that line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib.util
+import math
+import socket
+import sys
+
+from ..cli_args import add_river_arguments, parse_taus, positive_int, river_overrides
+from ..errors import RiverError
+
+#: The packages ``transformers.cli.serving`` needs (transformers' ``is_serve_available``).
+SERVING_MODULES = ("fastapi", "uvicorn", "pydantic", "openai")
+
+#: Why ``--continuous-batching`` is refused (see ``RiverForCausalLM.init_continuous_batching``).
+NO_CONTINUOUS_BATCHING = (
+    "--continuous-batching is not supported with River: transformers' continuous batching packs the tokens of "
+    "every request in flight into one pass, and River takes one exit decision per pass, so a request's answer would "
+    "depend on the other requests (measured: 2 of 4 SmolLM2 answers changed), its statistics would be lost, and "
+    "lossless mode drafts and verifies one sequence at a time; river-hf serve answers requests one at a time, "
+    "in arrival order")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a River model over HTTP (OpenAI-compatible, transformers serve's app)",
+        description="Serve one River model with transformers' OpenAI-compatible server (/v1/chat/completions, "
+                    "/v1/completions, /v1/responses, /v1/models, /health; streaming over SSE). Each completion "
+                    "carries the call's River statistics under a \"river\" key. Requests are answered one at a "
+                    "time, in arrival order.",
+    )
+    p.add_argument("model", help="model key, saved River folder or Hub id; requests name it (or omit \"model\")")
+    p.add_argument("--tau", default=None, help="state transition similarity threshold τ; > 1 never exits "
+                                               "(default: the folder's or per-model config)")
+    add_river_arguments(p)
+    p.add_argument("--lossless", action="store_true",
+                   help="lossless mode: the exit path drafts, the backbone verifies (the unmodified model's tokens)")
+    p.add_argument("--draft-tokens", type=positive_int, default=None,
+                   help="lossless mode: drafts of the first round (default: per-model config)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-tokens-limit", type=positive_int, default=None,
+                   help="largest max_tokens a request may ask for (default: the model's context length)")
+    p.add_argument("--continuous-batching", action="store_true",
+                   help="refused with River (its passes mix requests; see docs/serve.md)")
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
+                   help="transformers' and uvicorn's log level (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars while the model loads")
+    p.set_defaults(func=run_serve)
+
+
+def check_args(args) -> dict:
+    """``RiverForCausalLM.from_pretrained`` settings from the arguments, checked before any import of
+    torch. Raises :class:`RiverError` (one line) for a bad τ, kernel, port or device, for
+    ``--continuous-batching``, ``--draft-tokens`` without ``--lossless``, a port already in use
+    on that host, or the serving extras not installed."""
+    if args.continuous_batching:
+        raise RiverError(NO_CONTINUOUS_BATCHING)
+    if not 0 <= args.port <= 65535:
+        raise RiverError(f"--port must be from 0 to 65535, got {args.port}")
+    if args.draft_tokens is not None and not args.lossless:
+        raise RiverError("--draft-tokens sets the lossless mode's draft length; add --lossless")
+    if args.device is not None and args.device != "cpu" and not args.device.startswith("cuda"):
+        raise RiverError(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
+    settings = river_overrides(args)
+    if args.tau is not None:
+        taus = parse_taus([args.tau])
+        if len(taus) != 1 or math.isnan(taus[0]):
+            raise RiverError(f"--tau must be one number such as 0.95 (above 1 never exits), got {args.tau!r}")
+        settings["tau"] = taus[0]
+    if args.lossless:
+        settings["lossless"] = True
+    missing = [m for m in SERVING_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RiverError(f"river-hf serve needs transformers' serving packages ({', '.join(missing)} missing): "
+                         "pip install \"river-hf[serve]\" (or run bash scripts/setup.sh)")
+    _check_port_free(args.host, args.port)
+    return settings
+
+
+def _check_port_free(host: str, port: int) -> None:
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise RiverError(f"--host {host!r} is not an address this machine can listen on ({e})") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise RiverError(f"port {port} on {host} is in use; pass another --port (0: any free port)") from None
+            raise RiverError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
+def run_serve(args) -> int:
+    settings = check_args(args)
+    import torch
+    import uvicorn
+    from transformers.utils import logging as hf_logging
+
+    from .app import ReadyServer, RiverModelManager, build_app
+
+    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RiverError("--device cuda was asked for, but this torch build sees no CUDA GPU; use --device cpu")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    hf_logging.get_logger("transformers").setLevel(hf_logging.log_levels[args.log_level])
+    if args.no_progress:
+        hf_logging.disable_progress_bar()
+    manager = RiverModelManager(args.model, river_kwargs=settings, draft_tokens=args.draft_tokens, device=device,
+                                dtype="float32" if device == "cpu" else "bfloat16", progress=not args.no_progress)
+    model = manager.model
+    mode = "lossless" if args.lossless else "route"
+    app = build_app(manager, max_tokens_limit=args.max_tokens_limit)
+
+    def ready(host, port) -> None:
+        print(f"river-hf serve: ready on http://{host}:{port} (model {args.model!r}, River {mode}, τ "
+              f"{model.river_config.tau}, {model.river.num_layers} layers, {device}); Ctrl-C stops it", flush=True)
+
+    server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), on_ready=ready)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C / SIGINT after its graceful shutdown: a normal end
+        print("river-hf serve: stopped", flush=True)
+        return 0
+    if not server.started:  # uvicorn could not bind (it logged why)
+        print(f"river-hf: error: the server could not listen on {args.host}:{args.port}", file=sys.stderr)
+        return 2
+    return 0
