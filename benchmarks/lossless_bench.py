@@ -12,8 +12,13 @@ its neighbouring reference run, reported as median (min-max) with a verdict, end
 - ``unmodified`` (the reference): the plain transformers model (``river_hf.plain_model``: the
   architecture's own class over River's backbone tensors, no River wrapper or hook) with plain
   ``F.linear``, as a user has it;
-- ``lossless``: River lossless (the exit path drafts, the backbone verifies, one cache);
-- ``lossless+lookup``: the same, with prompt-lookup rounds (``RiverConfig.prompt_lookup_tokens=10``);
+- ``lossless``: River lossless with the model's own settings (``configs/<key>.json``: what a user
+  gets);
+- ``lossless-exit``: exit-path drafts only (``prompt_lookup_tokens=0``), the other settings the model's;
+- ``lossless+lookup``: the model's settings with prompt-lookup rounds on every match
+  (``prompt_lookup_tokens=10``, ``prompt_lookup_rule="always"``);
+- ``lossless[KEY=VALUE;...]``: the model's settings with these ``RiverConfig`` fields replaced
+  (e.g. ``lossless[draft_path=exit;draft_vocab=32768]``; values are JSON, or strings);
 - ``prompt-lookup``: transformers' prompt lookup decoding on the plain model (``prompt_lookup_num_tokens=10``);
 - ``early-exit``: transformers' ``assistant_early_exit`` on the plain model, at the layer River's
   exit path leaves the backbone most often (measured on the first prompt);
@@ -32,6 +37,11 @@ Per method, besides the timer's rows: whether each completion equals the referen
 token, acceptance rate, tokens per verify, and for River the time per draft and per verify in
 reference decode steps. JSON + PNG + Markdown.
 
+Prompts: ``--prompts humaneval:100-102,gsm8k:100-101`` (HumanEval's own order; GSM8K test-split
+order, ``../shared/data/gsm8k/test.jsonl`` or ``--gsm8k-data``), ``--problems`` being the HumanEval
+part alone; ``--set-name`` says which set it is (``tuning``: defaults may be chosen on it;
+``held-out``: no default was).
+
     python benchmarks/lossless_bench.py --model qwen2.5-coder-0.5b --problems 100-102 --new-tokens 128 \\
         --out docs/results/lossless_heldout_qwen2.5-coder-0.5b.json
 """
@@ -49,7 +59,63 @@ import time
 
 import torch
 
-METHODS = ("unmodified", "lossless", "lossless+lookup", "prompt-lookup", "early-exit", "assisted")
+METHODS = ("unmodified", "lossless", "lossless-exit", "lossless+lookup", "prompt-lookup", "early-exit", "assisted")
+#: the RiverConfig fields each named lossless method replaces (``lossless[...]`` gives its own)
+LOSSLESS_SETTINGS = {"lossless": {}, "lossless-exit": {"prompt_lookup_tokens": 0},
+                     "lossless+lookup": {"prompt_lookup_tokens": 10, "prompt_lookup_rule": "always"}}
+
+
+def split_methods(text: str) -> list[str]:
+    """``"unmodified,lossless[a=1;b=2],x"`` -> the method names (commas inside brackets kept)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def lossless_settings(method: str) -> dict | None:
+    """The RiverConfig fields ``method`` replaces (a lossless method), or None (not a lossless method).
+
+    Raises:
+        ValueError: a malformed ``lossless[...]`` item."""
+    if method in LOSSLESS_SETTINGS:
+        return dict(LOSSLESS_SETTINGS[method])
+    if not (method.startswith("lossless[") and method.endswith("]")):
+        return None
+    out = {}
+    for item in filter(None, method[len("lossless["):-1].split(";")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{method}: {item!r} is not KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def parse_prompt_sets(text: str) -> list[tuple[str, int]]:
+    """``"humaneval:100-102,gsm8k:5"`` -> ``[("humaneval", 100), ..., ("gsm8k", 5)]``.
+
+    Raises:
+        ValueError: an unknown dataset or a malformed range."""
+    out: list[tuple[str, int]] = []
+    dataset = None
+    for part in text.split(","):
+        if ":" in part:
+            dataset, _, part = part.partition(":")
+        if dataset not in ("humaneval", "gsm8k"):
+            raise ValueError(f"--prompts: each range needs humaneval: or gsm8k: in front, got {part!r}")
+        out.extend((dataset, i) for i in parse_problems(part))
+    return out
 
 
 class _CountingDrafter:
@@ -111,7 +177,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--assistant", default=None, help="model key of the drafter for the 'assisted' method")
     ap.add_argument("--methods", default=None, help=f"comma list from {', '.join(METHODS)} (default: all that apply)")
-    ap.add_argument("--problems", default="100-102", help="HumanEval indices, e.g. 100-102 or 0-19 (default 100-102)")
+    ap.add_argument("--problems", default=None, help="HumanEval indices, e.g. 100-102 or 0-19 (default 100-102)")
+    ap.add_argument("--prompts", default=None,
+                    help="prompt set, e.g. humaneval:100-102,gsm8k:100-101 (replaces --problems)")
+    ap.add_argument("--gsm8k-data", default=None, help="GSM8K test JSON-lines file (default: the local copy)")
+    ap.add_argument("--set-name", default="held-out", choices=("tuning", "held-out"),
+                    help="which set the prompts are: tuning (defaults may be chosen on it) or held-out")
     ap.add_argument("--new-tokens", type=int, default=128, help="exact new tokens per prompt (EOS suppressed)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tau", type=float, default=None, help="River's τ for the drafts (default: the model's config)")
@@ -123,15 +194,19 @@ def main(argv=None) -> int:
 
     from river_hf import RiverForCausalLM, plain_model
     from river_hf.eval.common import atomic_write, humaneval_problems, save_figure, write_json
-    from river_hf.eval.tasks import humaneval_prompt
+    from river_hf.eval.data import gsm8k_prompt, humaneval_prompt, load_gsm8k
     from river_hf.models import encode_prompt, resolve
     from river_hf.quant import linear_weight_bytes
     from river_hf.river.arch import decoder_stack
     from river_hf.river.lossless import verify_mode
     from river_hf.timing import TokenTimer, compare
 
-    methods = args.methods.split(",") if args.methods else [m for m in METHODS if m != "assisted" or args.assistant]
-    unknown = set(methods) - set(METHODS)
+    methods = split_methods(args.methods) if args.methods else [m for m in METHODS if m != "assisted" or args.assistant]
+    try:
+        variants = {m: lossless_settings(m) for m in methods}
+    except ValueError as e:
+        ap.error(str(e))
+    unknown = {m for m in methods if m not in METHODS and variants[m] is None}
     if unknown or "unmodified" not in methods:
         ap.error(f"--methods: unknown {sorted(unknown)}" if unknown else "--methods must include unmodified")
     if "assisted" in methods and not args.assistant:
@@ -148,12 +223,23 @@ def main(argv=None) -> int:
     if "assisted" in methods:
         assistant = AutoModelForCausalLM.from_pretrained(resolve(args.assistant, progress=False),
                                                          dtype=torch.float32).eval()
-    every = humaneval_problems()
-    indices = parse_problems(args.problems)
-    if not indices or min(indices) < 0 or max(indices) >= len(every):
-        ap.error(f"--problems: indices must lie in 0..{len(every) - 1}")
-    problems = [every[i] for i in indices]
-    prompts = [encode_prompt(tok, humaneval_prompt(p))["input_ids"] for p in problems]
+    if args.prompts and args.problems:
+        ap.error("give --prompts or --problems, not both")
+    try:
+        wanted = parse_prompt_sets(args.prompts) if args.prompts else [("humaneval", i) for i in parse_problems(args.problems or "100-102")]
+    except ValueError as e:
+        ap.error(str(e))
+    every = {"humaneval": humaneval_problems()}
+    if any(d == "gsm8k" for d, _ in wanted):
+        every["gsm8k"] = list(load_gsm8k(args.gsm8k_data)[0])
+    problems, texts = [], []
+    for dataset, i in wanted:
+        if not 0 <= i < len(every[dataset]):
+            ap.error(f"--prompts: {dataset} indices must lie in 0..{len(every[dataset]) - 1}")
+        item = every[dataset][i]
+        problems.append({"task_id": item["task_id"] if dataset == "humaneval" else f"gsm8k/{i}"})
+        texts.append(humaneval_prompt(item) if dataset == "humaneval" else gsm8k_prompt(item["question"]))
+    prompts = [encode_prompt(tok, text)["input_ids"] for text in texts]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad)
 
@@ -181,10 +267,9 @@ def main(argv=None) -> int:
         for ids in prompts:
             record = {"verifies": 0, "rounds": 0, "drafted": 0, "accepted": 0}
             extra, handles, model = {}, [], plain
-            if method.startswith("lossless"):
+            if variants[method] is not None:
                 model = river
-                lookup = 10 if method == "lossless+lookup" else 0
-                river.river_config = dataclasses.replace(config, prompt_lookup_tokens=lookup)
+                river.river_config = dataclasses.replace(config, **variants[method])
             elif method != "unmodified":
                 extra = {"prompt-lookup": {"prompt_lookup_num_tokens": 10},
                          "early-exit": {"assistant_early_exit": early_exit_layer},
@@ -210,7 +295,9 @@ def main(argv=None) -> int:
             if model is river:
                 ll = river.river_stats["lossless"]
                 row = {k: ll[k] for k in ("rounds", "drafted", "accepted", "lookup_rounds", "lookup_drafted",
-                                          "lookup_accepted", "draft_seconds", "verify_seconds", "mean_draft_exit_layer")}
+                                          "lookup_accepted", "lookup_declined", "draft_seconds", "verify_seconds",
+                                          "mean_draft_exit_layer", "draft_cost_steps", "verify_cost_steps",
+                                          "backbone_step_seconds", "draft_path", "draft_vocab")}
                 row["verifies"] = ll["rounds"] + ll["lookup_rounds"]
                 bytes_total = river.river_stats["weight_bytes_per_token"] * m.decode_tokens
             elif method == "unmodified":
@@ -240,7 +327,7 @@ def main(argv=None) -> int:
         s = {"identical_completions": sum(a == b for a, b in zip(tokens[m], ref_tokens)),
              "acceptance_rate": accepted / drafted if drafted else None,
              "tokens_per_verify": (len(prompts) * (args.new_tokens - 1)) / verifies if verifies and m != "unmodified" else None}
-        if m.startswith("lossless"):
+        if variants[m] is not None:
             xd, xa = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
             ld, la = sum(r["lookup_drafted"] for r in rs), sum(r["lookup_accepted"] for r in rs)
             ds, vs = sum(r["draft_seconds"] for r in rs), sum(r["verify_seconds"] for r in rs)
@@ -252,6 +339,7 @@ def main(argv=None) -> int:
     report = {
         "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         "model": args.model, "assistant": args.assistant, "problems": [p["task_id"] for p in problems],
+        "set": args.set_name, "lossless_settings": {m: v for m, v in variants.items() if v is not None},
         "new_tokens": args.new_tokens, "greedy": True, "eos_suppressed": True, "num_layers": len(layers),
         "river_config": config.to_dict(), "early_exit_layer": early_exit_layer,
         "verify_kernel": kernel_info, "baseline_verify_kernel": "same as River's" if baseline_kernel else "torch",
@@ -278,7 +366,7 @@ def markdown(report: dict) -> str:
     n = len(report["problems"])
     kinfo = report["verify_kernel"]
     lines = [f"`{report['command']}`", "",
-             f"{report['model']}, HumanEval {report['problems'][0]} .. {report['problems'][-1]} ({n} prompts), greedy, "
+             f"{report['model']}, {report.get('set', 'held-out')} set: {', '.join(report['problems'])} ({n} prompts), greedy, "
              f"exactly {report['new_tokens']} new tokens each (EOS suppressed); reference: {comp['reference_kind']}; "
              f"verify kernel {kinfo['kernel']} ({kinfo['why']}; baselines: {report['baseline_verify_kernel']}); "
              f"early exit at layer {report['early_exit_layer']} of {report['num_layers']}; {report['protocol']}; "
@@ -325,7 +413,7 @@ def _figure(report: dict):
     ax.set_xticks(range(len(names)), [n.replace("+", "+\n") for n in names], fontsize=8)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_ylabel("decode speedup vs plain model\n(median, min-max over rounds)")
-    ax.set_title(f"{report['model']}: lossless decoders, {len(report['problems'])} HumanEval prompts, "
+    ax.set_title(f"{report['model']}: lossless decoders, {report.get('set', 'held-out')} set of {len(report['problems'])} prompts, "
                  f"{report['new_tokens']} tokens each", fontsize=9)
     fig.tight_layout()
     return fig

@@ -4,6 +4,7 @@ enters for multi-row forwards of the main model only) and its prompt selection."
 from __future__ import annotations
 
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -53,6 +54,22 @@ def test_problem_ranges():
     bench = _bench()
     assert bench.parse_problems("100-102") == [100, 101, 102]
     assert bench.parse_problems("0,5,7-8") == [0, 5, 7, 8]
+    assert bench.parse_prompt_sets("humaneval:100-101,gsm8k:3,5") == [
+        ("humaneval", 100), ("humaneval", 101), ("gsm8k", 3), ("gsm8k", 5)]
+    with pytest.raises(ValueError, match="humaneval: or gsm8k:"):
+        bench.parse_prompt_sets("100-101")
+
+
+def test_lossless_variants_name_their_settings():
+    bench = _bench()
+    names = bench.split_methods("unmodified,lossless[draft_path=exit;draft_vocab=32768],lossless+lookup")
+    assert names == ["unmodified", "lossless[draft_path=exit;draft_vocab=32768]", "lossless+lookup"]
+    assert bench.lossless_settings(names[1]) == {"draft_path": "exit", "draft_vocab": 32768}
+    assert bench.lossless_settings("lossless") == {}
+    assert bench.lossless_settings("lossless-exit") == {"prompt_lookup_tokens": 0}
+    assert bench.lossless_settings("prompt-lookup") is None
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        bench.lossless_settings("lossless[draft_path]")
 
 
 def test_linear_kernels_bench_times_through_the_tuner(tmp_path, monkeypatch):

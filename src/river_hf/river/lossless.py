@@ -42,10 +42,67 @@ from transformers.generation.candidate_generator import CandidateGenerator, Prom
 
 from ..errors import RiverError
 from ..kernels import PrepackedLinear, onednn_available
-from .config import DRAFT_SCHEDULES, VERIFY_KERNELS
-from .layer import ROUTE
+from .arch import decoder_stack
+from .config import DRAFT_PATHS, DRAFT_SCHEDULES, PROMPT_LOOKUP_RULES, VERIFY_KERNELS
+from .layer import BACKBONE_ONLY, EXIT_ONLY, ROUTE
 
-__all__ = ["ExitPathDrafter", "FirstStop", "lossless_call", "DRAFT_SCHEDULES", "VERIFY_KERNELS", "verify_mode"]
+__all__ = ["ExitPathDrafter", "FirstStop", "LookupGate", "lossless_call", "DRAFT_PATHS", "DRAFT_SCHEDULES",
+           "PROMPT_LOOKUP_RULES", "VERIFY_KERNELS", "verify_mode", "backbone_step_seconds"]
+
+
+class LookupGate:
+    """Whether a round that found a prompt-lookup match proposes it (``RiverConfig.prompt_lookup_rule``).
+
+    Prompt lookup proposes tokens at no draft cost, but a verify of n rejected tokens costs more
+    than a one-token step (the k+1-row backbone pass), so on text that does not repeat its context it
+    is slower than exit-path drafts. ``adaptive`` compares, within one call, the two sources'
+    produced tokens (accepted drafts + the verify's own token) per second of round time (draft +
+    verify), each as an exponential moving average over its rounds (weight :attr:`DECAY` on the
+    past): a match is proposed while lookup's rate is at least the exit path's, for the first
+    :attr:`WARMUP` lookup rounds, while no exit-path round has been timed yet, and once every
+    :attr:`RETRY` skipped matches (so a later stretch that repeats its context is noticed).
+    ``always``: every match is proposed (Saxena 2023, prompt lookup decoding, as transformers does).
+
+    Raises:
+        RiverError: an unknown rule.
+    """
+
+    WARMUP = 2
+    RETRY = 8
+    DECAY = 0.7
+
+    def __init__(self, rule: str = "always"):
+        if rule not in PROMPT_LOOKUP_RULES:
+            raise RiverError(f"prompt_lookup_rule must be one of {', '.join(PROMPT_LOOKUP_RULES)}, got {rule!r}")
+        self.rule = rule
+        self.tokens = {"lookup": 0.0, "exit": 0.0}
+        self.seconds = {"lookup": 0.0, "exit": 0.0}
+        self.rounds = {"lookup": 0, "exit": 0}
+        self.skipped = 0
+        self.declined = 0
+
+    def rate(self, source: str) -> float | None:
+        """Produced tokens per second of round time of ``source`` (``lookup`` / ``exit``), or None."""
+        return self.tokens[source] / self.seconds[source] if self.seconds[source] > 0 else None
+
+    def use(self) -> bool:
+        """Whether this round's match is proposed (call once per round that found a match)."""
+        if self.rule == "always" or self.rounds["lookup"] < self.WARMUP or self.rounds["exit"] == 0:
+            return True
+        if self.rate("lookup") >= self.rate("exit"):
+            return True
+        self.skipped += 1
+        if self.skipped >= self.RETRY:
+            self.skipped = 0
+            return True
+        self.declined += 1
+        return False
+
+    def update(self, source: str, tokens: int, seconds: float) -> None:
+        """Add one round of ``source``: ``tokens`` produced in ``seconds`` of round time."""
+        self.tokens[source] = self.DECAY * self.tokens[source] + tokens
+        self.seconds[source] = self.DECAY * self.seconds[source] + max(seconds, 0.0)
+        self.rounds[source] += 1
 
 class ExitPathDrafter(CandidateGenerator):
     """Drafts candidate tokens with the River model's own exit path, in the main model's cache.
@@ -68,9 +125,16 @@ class ExitPathDrafter(CandidateGenerator):
             that followed them (transformers' ``PromptLookupCandidateGenerator``: Saxena 2023,
             prompt lookup decoding); such a round costs no draft pass. Rounds without a match
             draft through the exit path. The backbone verifies both kinds alike.
+        prompt_lookup_rule: which matches are proposed (:class:`LookupGate`).
+        draft_path: ``route`` (River's exit path) or ``exit`` (every layer its exit copy), see
+            :data:`DRAFT_PATHS`.
+        draft_rules: the exit rules of ``route`` draft passes (an ``ExitRuleList``; None: the model's).
+        draft_head: a :class:`~river_hf.river.draft_vocab.FrequentVocabHead` the draft passes score
+            with instead of the exit head (FR-Spec), or None.
 
     Raises:
-        RiverError: ``draft_tokens`` < 1, ``max_draft_tokens`` < ``draft_tokens`` or an unknown ``schedule``.
+        RiverError: ``draft_tokens`` < 1, ``max_draft_tokens`` < ``draft_tokens``, an unknown
+            ``schedule``, ``draft_path`` or ``prompt_lookup_rule``.
     """
 
     requires_model_outputs = True
@@ -78,7 +142,8 @@ class ExitPathDrafter(CandidateGenerator):
 
     def __init__(self, model, generation_config, logits_processor, draft_tokens: int = 4,
                  schedule: str = "heuristic", record: dict | None = None, prompt_lookup_tokens: int = 0,
-                 max_draft_tokens: int | None = None):
+                 max_draft_tokens: int | None = None, prompt_lookup_rule: str = "always", draft_path: str = "route",
+                 draft_rules=None, draft_head=None):
         if not isinstance(draft_tokens, int) or draft_tokens < 1:
             raise RiverError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
         if schedule not in DRAFT_SCHEDULES:
@@ -94,6 +159,12 @@ class ExitPathDrafter(CandidateGenerator):
         if self.max_draft_tokens < draft_tokens:
             raise RiverError(f"max_draft_tokens ({max_draft_tokens}) must be >= draft_tokens ({draft_tokens})")
         self.schedule = schedule
+        if draft_path not in DRAFT_PATHS:
+            raise RiverError(f"draft_path must be one of {', '.join(DRAFT_PATHS)}, got {draft_path!r}")
+        self.draft_mode = EXIT_ONLY if draft_path == "exit" else ROUTE
+        self.draft_rules = draft_rules
+        self.draft_head = draft_head
+        self.gate = LookupGate(prompt_lookup_rule)
         self.record = record if record is not None else {}
         self.lookup = None
         if prompt_lookup_tokens:
@@ -102,10 +173,16 @@ class ExitPathDrafter(CandidateGenerator):
                 max_length=generation_config.max_length, logits_processor=logits_processor,
                 vocab_size=model.config.get_text_config().vocab_size)
         self._lookup_round = False
-        for key in ("rounds", "drafted", "accepted", "lookup_rounds", "lookup_drafted", "lookup_accepted"):
+        for key in ("rounds", "drafted", "accepted", "lookup_rounds", "lookup_drafted", "lookup_accepted",
+                    "lookup_declined", "draft_passes"):
             self.record.setdefault(key, 0)
-        for key in ("draft_seconds", "verify_seconds"):
+        for key in ("draft_seconds", "verify_seconds", "exit_verify_seconds", "lookup_verify_seconds",
+                    "lookup_draft_seconds"):
             self.record.setdefault(key, 0.0)
+        self.record["prompt_lookup_rule"] = prompt_lookup_rule if self.lookup is not None else None
+        self.record["draft_path"] = draft_path
+        self.record["draft_vocab"] = None if draft_head is None else int(draft_head.ids.numel())
+        self._round_start = None
         self.record.setdefault("draft_exit_layers", [])
         self._drafted_now = 0
         self._verify_start = None
@@ -125,6 +202,7 @@ class ExitPathDrafter(CandidateGenerator):
             ``n`` <= k drafts; drafting stops early at an EOS draft or the length limit.
         """
         start = time.perf_counter()
+        self._round_start = start
         self._drafted_now = 0
         if is_first_iteration:
             self._verify_start = time.perf_counter()
@@ -137,13 +215,16 @@ class ExitPathDrafter(CandidateGenerator):
         self._lookup_round = False
         if self.lookup is not None:
             found, _ = self.lookup.get_candidates(input_ids)
-            if found.shape[1] > cur_len:
+            if found.shape[1] > cur_len and self.gate.use():
                 self._lookup_round = True
                 self._drafted_now = found.shape[1] - cur_len
                 self.record["lookup_drafted"] += self._drafted_now
                 self._verify_start = time.perf_counter()
                 self.record["draft_seconds"] += self._verify_start - start
+                self.record["lookup_draft_seconds"] += self._verify_start - start
                 return found, None  # no draft distribution: transformers' loop then samples from p and matches
+            if found.shape[1] > cur_len:
+                self.record["lookup_declined"] += 1
         cache = model_kwargs["cache"]
         position_ids = model_kwargs.get("position_ids")
         position = (position_ids[:, -1:] if position_ids is not None
@@ -152,13 +233,19 @@ class ExitPathDrafter(CandidateGenerator):
         sequence, token = input_ids, input_ids[:, -1:]
         scores = []
         router = self.model.river
-        with router.override(mode=ROUTE), torch.no_grad():
+        stack = decoder_stack(self.model)[0] if self.draft_head is not None else None
+        with router.override(mode=self.draft_mode, rules=self.draft_rules), torch.no_grad():
             for j in range(k):
                 step_mask = None if mask is None else torch.cat([mask, mask.new_ones((1, j))], dim=-1)
-                out = self.model(input_ids=token, attention_mask=step_mask, position_ids=position + j,
-                                 cache=cache, use_cache=True, logits_to_keep=1)
+                if stack is None:
+                    out = self.model(input_ids=token, attention_mask=step_mask, position_ids=position + j,
+                                     cache=cache, use_cache=True, logits_to_keep=1)
+                    logits = out.logits[:, -1, :].to(torch.float32)
+                else:  # FR-Spec: the decoder stack, then the frequent-vocabulary head on the last hidden state
+                    hidden = stack(input_ids=token, attention_mask=step_mask, position_ids=position + j,
+                                   cache=cache, use_cache=True).last_hidden_state
+                    logits = self.draft_head(hidden[:, -1:, :])[:, -1, :]
                 self.record["draft_exit_layers"].append(router.exit_layer)
-                logits = out.logits[:, -1, :].to(torch.float32)
                 processed = self.logits_processor(sequence, logits) if len(self.logits_processor) else logits
                 if self.do_sample:
                     token = torch.multinomial(processed.softmax(dim=-1), num_samples=1)
@@ -172,6 +259,7 @@ class ExitPathDrafter(CandidateGenerator):
         cache.crop(-drafted)  # the drafts' K/V; the verify pass writes the backbone's in their place
         self._drafted_now = drafted
         self.record["drafted"] += drafted
+        self.record["draft_passes"] += drafted
         now = time.perf_counter()
         self.record["draft_seconds"] += now - start
         self._verify_start = now
@@ -180,20 +268,27 @@ class ExitPathDrafter(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         """Count the round and adapt k (transformers' "heuristic" schedule, or none)."""
         now = time.perf_counter()
+        verify = 0.0
         if self._verify_start is not None and self._prefilled:
-            self.record["verify_seconds"] += now - self._verify_start  # (the prefill's own time is not a verify)
+            verify = now - self._verify_start  # (the prefill's own time is not a verify)
+            self.record["verify_seconds"] += verify
         self._verify_start = None
         self._prefilled = True
         self.record["last_round_end"] = now
         num_matches = int(num_matches)
         if self._drafted_now == 0:
             return  # the prefill, or a round at the length limit: no draft to judge
+        round_seconds = now - self._round_start if self._round_start is not None else verify
         if self._lookup_round:
             self.record["lookup_rounds"] += 1
             self.record["lookup_accepted"] += num_matches
+            self.record["lookup_verify_seconds"] += verify
+            self.gate.update("lookup", num_matches + 1, round_seconds)
             return  # k belongs to the exit-path drafts
         self.record["rounds"] += 1
         self.record["accepted"] += num_matches
+        self.record["exit_verify_seconds"] += verify
+        self.gate.update("exit", num_matches + 1, round_seconds)
         if self.schedule == "heuristic":
             if num_matches == self._drafted_now:
                 self.num_draft_tokens = min(self.num_draft_tokens + 2, self.max_draft_tokens)
@@ -208,19 +303,33 @@ class ExitPathDrafter(CandidateGenerator):
         drafts), ``drafted`` and ``accepted`` exit-path draft tokens, ``acceptance_rate``
         (accepted / drafted), ``mean_accepted`` (accepted drafts per round), ``drafts_per_verify``
         (drafted per round), the same counts of prompt-lookup rounds (``lookup_rounds``,
-        ``lookup_drafted``, ``lookup_accepted``, ``lookup_acceptance_rate``),
-        ``tokens_per_verify`` (tokens emitted per verify pass of either kind, the bonus included),
-        ``draft_seconds`` and ``verify_seconds`` (wall time spent drafting, and from the end of a
-        draft to the round's acceptance: the verify forward, its logits processing and the
-        acceptance rule), ``mean_draft_exit_layer`` (mean exit layer of the draft passes),
-        ``verify_kernel`` (the kernel the verify passes' backbone Linears ran on, why, and the memory
-        its packed copy adds: see :func:`verify_mode`).
+        ``lookup_drafted``, ``lookup_accepted``, ``lookup_acceptance_rate``, and
+        ``lookup_declined``: matches the adaptive rule did not propose), ``tokens_per_verify``
+        (tokens emitted per verify pass of either kind, the bonus included), ``draft_seconds`` and
+        ``verify_seconds`` (wall time spent drafting, and from the end of a draft to the round's
+        acceptance: the verify forward, its logits processing and the acceptance rule),
+        ``mean_draft_exit_layer`` (mean exit layer of the draft passes), ``verify_kernel`` (the
+        kernel the verify passes' backbone Linears ran on, why, and the memory its packed copy adds:
+        see :func:`verify_mode`), the draft settings (``draft_path``, ``draft_vocab``,
+        ``prompt_lookup_rule``), and the costs in backbone decode steps: ``backbone_step_seconds``
+        (one one-token backbone pass of this model, :func:`backbone_step_seconds`),
+        ``draft_cost_steps`` (seconds per exit-path draft pass / that step), ``verify_cost_steps``
+        (seconds per verify pass / that step), and ``by_source``: for ``exit_path`` and
+        ``prompt_lookup`` each, rounds, drafted, accepted, acceptance rate, tokens per verify and
+        verify cost in steps. Costs are None where nothing was timed.
         """
         rounds, drafted, accepted = record.get("rounds", 0), record.get("drafted", 0), record.get("accepted", 0)
         l_rounds, l_drafted, l_accepted = (record.get("lookup_rounds", 0), record.get("lookup_drafted", 0),
                                            record.get("lookup_accepted", 0))
         exits = record.get("draft_exit_layers", [])
         verifies = rounds + l_rounds
+        step = record.get("backbone_step_seconds")
+
+        def steps(seconds, count):
+            return seconds / count / step if step and count else None
+
+        passes = record.get("draft_passes", 0)
+        exit_draft_seconds = record.get("draft_seconds", 0.0) - record.get("lookup_draft_seconds", 0.0)
         return {
             "rounds": rounds,
             "drafted": drafted,
@@ -232,11 +341,33 @@ class ExitPathDrafter(CandidateGenerator):
             "lookup_drafted": l_drafted,
             "lookup_accepted": l_accepted,
             "lookup_acceptance_rate": l_accepted / l_drafted if l_drafted else None,
+            "lookup_declined": record.get("lookup_declined", 0),
             "tokens_per_verify": (accepted + l_accepted + verifies) / verifies if verifies else None,
             "draft_seconds": record.get("draft_seconds", 0.0),
             "verify_seconds": record.get("verify_seconds", 0.0),
             "mean_draft_exit_layer": sum(exits) / len(exits) if exits else None,
             "verify_kernel": record.get("verify_kernel"),
+            "draft_path": record.get("draft_path"),
+            "draft_vocab": record.get("draft_vocab"),
+            "prompt_lookup_rule": record.get("prompt_lookup_rule"),
+            "backbone_step_seconds": step,
+            "draft_cost_steps": steps(exit_draft_seconds, passes),
+            "verify_cost_steps": steps(record.get("verify_seconds", 0.0), verifies),
+            "by_source": {
+                "exit_path": {
+                    "rounds": rounds, "drafted": drafted, "accepted": accepted,
+                    "acceptance_rate": accepted / drafted if drafted else None,
+                    "tokens_per_verify": (accepted + rounds) / rounds if rounds else None,
+                    "draft_cost_steps": steps(exit_draft_seconds, passes),
+                    "verify_cost_steps": steps(record.get("exit_verify_seconds", 0.0), rounds),
+                },
+                "prompt_lookup": {
+                    "rounds": l_rounds, "drafted": l_drafted, "accepted": l_accepted,
+                    "acceptance_rate": l_accepted / l_drafted if l_drafted else None,
+                    "tokens_per_verify": (l_accepted + l_rounds) / l_rounds if l_rounds else None,
+                    "verify_cost_steps": steps(record.get("lookup_verify_seconds", 0.0), l_rounds),
+                },
+            },
         }
 
 
@@ -408,6 +539,49 @@ def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
     return mode, {**info, "kernel": "onednn-prepacked", "packed_bytes": mode.packed_bytes}
 
 
+def backbone_step_seconds(model, repeats: int = 3) -> float:
+    """Seconds of one one-token decode pass of ``model``'s backbone (the unit of the lossless
+    costs in ``river_stats["lossless"]``): the median of ``repeats`` passes on a fresh cache after
+    one untimed pass, in ``backbone`` mode, plain kernels. Measured on the first lossless call of a
+    model and kept (``_river_backbone_step``); about ``repeats + 1`` decode steps once."""
+    cached = model.__dict__.get("_river_backbone_step")
+    if cached is not None:
+        return cached
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+    times = []
+    with model.river.override(mode=BACKBONE_ONLY), torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            model(input_ids=ids, position_ids=torch.full((1, 1), i, dtype=torch.long, device=device), cache=cache,
+                  use_cache=True, logits_to_keep=1)
+            times.append(time.perf_counter() - start)
+    value = sorted(times[1:])[len(times[1:]) // 2]
+    model._river_backbone_step = value
+    return value
+
+
+def draft_settings(model) -> dict:
+    """The drafter's keyword arguments from ``model.river_config`` (draft path, rules, FR-Spec head).
+
+    Raises:
+        RiverError: ``draft_vocab`` > 0 and no tokenizer loads (see
+            :func:`river_hf.river.draft_vocab.draft_head_for`).
+    """
+    config = model.river_config
+    head = None
+    if config.draft_vocab and not getattr(model.config.get_text_config(), "final_logit_softcapping", None):
+        # (a softcapped head is applied by the architecture's own forward: its drafts keep the exit head)
+        from .draft_vocab import draft_head_for
+
+        head = draft_head_for(model, config.draft_vocab)
+    return {"draft_path": config.draft_path, "draft_rules": config.build_draft_rules(), "draft_head": head,
+            "prompt_lookup_rule": config.prompt_lookup_rule}
+
+
 @contextlib.contextmanager
 def lossless_call(model, record: dict):
     """Within the block, this thread's ``generate`` call on ``model`` is a lossless one:
@@ -415,13 +589,19 @@ def lossless_call(model, record: dict):
     passing the model as its own ``assistant_model``) an :class:`ExitPathDrafter` filling
     ``record``, and forward passes on the backbone (prefill, verify) run in the kernel mode of
     :func:`verify_mode` (River's forward hooks enter it; draft passes do not: their Linears are
-    quantized, and one-token calls are fast already)."""
+    quantized, and one-token calls are fast already). The draft settings (:func:`draft_settings`)
+    are prepared on entry, before the call's timer starts; after the call the record gets the
+    model's backbone step time (:func:`backbone_step_seconds`, measured once per model)."""
     config = model.river_config
     local = model.river._local
     old = local.lossless_record, local.verify_linear
     local.lossless_record = record
     local.verify_linear, record["verify_kernel"] = verify_mode(model, config.verify_kernel, config.max_draft_tokens + 1)
+    old_settings = getattr(local, "draft_settings", None)  # (set only by this function, per thread)
+    local.draft_settings = draft_settings(model)
     try:
         yield record
     finally:
         local.lossless_record, local.verify_linear = old
+        local.draft_settings = old_settings
+    record["backbone_step_seconds"] = backbone_step_seconds(model)

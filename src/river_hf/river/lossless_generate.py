@@ -70,10 +70,11 @@ def drafter(model, generation_config, logits_processor) -> ExitPathDrafter | Non
     if record is None or model.river.mode != LOSSLESS:
         return None
     config = model.river_config
+    settings = getattr(model.river._local, "draft_settings", None) or {}
     return ExitPathDrafter(model, generation_config, logits_processor, draft_tokens=config.draft_tokens,
                            schedule=config.draft_schedule, record=record,
                            prompt_lookup_tokens=config.prompt_lookup_tokens,
-                           max_draft_tokens=config.max_draft_tokens)
+                           max_draft_tokens=config.max_draft_tokens, **settings)
 
 
 def first_stop(model, criteria):
