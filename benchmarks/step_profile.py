@@ -253,6 +253,8 @@ def profile(model, plain, inputs: dict, new_tokens: int, repeats: int, draft_tok
                     bare = measure_generate(m, inputs, **gen)
                     with StepProfiler(m) as prof:
                         profiled = measure_generate(m, inputs, **gen)
+                print(f"profile round {r}/{repeats} {mode}: {bare.decode_tokens_per_s:.2f} tokens/s unprofiled, "
+                      f"{profiled.decode_tokens_per_s:.2f} profiled", flush=True)
                 if r == 0:
                     continue
                 per_token = lambda x: x.decode_s / max(x.decode_tokens, 1)  # noqa: E731

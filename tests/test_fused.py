@@ -208,18 +208,18 @@ def test_backbone_weight_change_rebuilds_the_fused_copy(proj):
 
 
 def test_setting_is_checked_and_round_trips(tmp_path):
-    assert RiverConfig.from_dict(RiverConfig(fuse_projections=False).to_dict()).fuse_projections is False
-    assert RiverConfig().fuse_projections is True
+    assert RiverConfig.from_dict(RiverConfig(fuse_projections=True).to_dict()).fuse_projections is True
+    assert RiverConfig().fuse_projections is False
     with pytest.raises(RiverError, match="fuse_projections"):
         RiverConfig(fuse_projections="yes")
     folder = tmp_path / "plain"
     tiny_model("llama").save_pretrained(folder)
-    model = RiverForCausalLM.from_pretrained(str(folder), river_config=RiverConfig(tau=2.0, fuse_projections=False),
+    model = RiverForCausalLM.from_pretrained(str(folder), river_config=RiverConfig(tau=2.0, fuse_projections=True),
                                              progress=False)
     model.save_pretrained(tmp_path / "river")
     again = RiverForCausalLM.from_pretrained(str(tmp_path / "river"), progress=False)
-    assert again.river_config.fuse_projections is False
-    assert not isinstance(again.model.layers[0].exit_layer.self_attn.q_proj, ProjectionSlice)
+    assert again.river_config.fuse_projections is True
+    assert isinstance(again.model.layers[0].exit_layer.self_attn.q_proj, ProjectionSlice)
 
 
 def test_fused_projection_forward_returns_every_part():

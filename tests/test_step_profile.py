@@ -19,7 +19,8 @@ sp = load_benchmark("step_profile")
 
 @pytest.mark.filterwarnings("ignore:tau=-2 is negative")
 def test_profiler_partitions_each_pass_and_cleans_up():
-    model = enable_river(tiny_model("qwen2"), config=RiverConfig(tau=-2.0, min_layer=1, backend="torch-int4"),
+    model = enable_river(tiny_model("qwen2"), config=RiverConfig(tau=-2.0, min_layer=1, backend="torch-int4",
+                                                                     fuse_projections=True),
                          progress=False)
     cats = sp.categories(model)
     exit_attn = model.model.layers[1].exit_layer.self_attn
