@@ -23,6 +23,12 @@ from .strategies import STRATEGIES
 #: lossless-mode choices (defined here, at the bottom of the import graph; :mod:`.lossless` reuses them)
 DRAFT_SCHEDULES = ("heuristic", "constant")
 VERIFY_KERNELS = ("auto", "onednn", "torch")
+#: where a lossless draft pass runs: ``route`` (River's exit path: backbone layers until the draft
+#: rules say exit, then exit layers) or ``exit`` (every layer its exit copy: no backbone layer)
+DRAFT_PATHS = ("route", "exit")
+#: when a round proposes prompt-lookup tokens (given a match): ``always``, or ``adaptive`` (only
+#: while their measured tokens per second in this call beat the exit-path drafts')
+PROMPT_LOOKUP_RULES = ("always", "adaptive")
 
 __all__ = ["RiverConfig", "default_config", "check_tau", "warn_if_negative_tau", "CONFIG_DIR"]
 
@@ -108,6 +114,20 @@ class RiverConfig:
         prompt_lookup_tokens: lossless mode: when > 0, a round whose last tokens occurred earlier
             in the sequence proposes the up to this many tokens that followed them (prompt lookup
             decoding, no draft pass) instead of drafting through the exit path; 0: off.
+        prompt_lookup_rule: lossless mode, with ``prompt_lookup_tokens`` > 0: ``always`` (every round
+            with a match) or ``adaptive`` (a match is used while prompt-lookup rounds have produced
+            at least as many tokens per second of round time in this call as exit-path rounds, and
+            is retried every few rounds otherwise: :class:`river_hf.river.lossless.LookupGate`).
+        draft_path: lossless mode: where a draft pass runs (:data:`DRAFT_PATHS`): ``route`` (River's
+            exit path with ``draft_tau`` / ``draft_min_layer``) or ``exit`` (every layer its exit
+            copy, no backbone layer: a fully low-precision draft, as QSpec's).
+        draft_tau, draft_min_layer: lossless mode, ``draft_path="route"``: τ and min layer of the
+            draft passes' exit rule (None: ``tau`` / ``min_layer``, the lossy mode's).
+        draft_vocab: lossless mode: when > 0, draft passes score only this many token ids, the most
+            frequent ones in text that is not evaluation data (FR-Spec, Zhao et al. 2025,
+            arXiv 2502.14856; :mod:`river_hf.river.draft_vocab`), through a quantized copy of those
+            rows of the LM head; the verify keeps the full head, so the output is unchanged.
+            0: the whole vocabulary (the exit head).
         verify_kernel: lossless mode, fp32 CPU: ``auto`` (oneDNN on prepacked weights for the
             multi-token verify passes where it measured faster than ``F.linear``; costs a packed
             copy of the backbone's Linear weights), ``onednn`` or ``torch``.
@@ -144,6 +164,11 @@ class RiverConfig:
     max_draft_tokens: int = 15
     draft_schedule: str = "heuristic"
     prompt_lookup_tokens: int = 0
+    prompt_lookup_rule: str = "always"
+    draft_path: str = "route"
+    draft_tau: float | None = None
+    draft_min_layer: int | None = None
+    draft_vocab: int = 0
     verify_kernel: str = "auto"
     offload_from: int | None = None
     offload_dir: str | None = None
@@ -177,6 +202,18 @@ class RiverConfig:
         if (isinstance(self.prompt_lookup_tokens, bool) or not isinstance(self.prompt_lookup_tokens, int)
                 or self.prompt_lookup_tokens < 0):
             raise RiverError(f"prompt_lookup_tokens must be an integer >= 0 (0: off), got {self.prompt_lookup_tokens!r}")
+        if self.prompt_lookup_rule not in PROMPT_LOOKUP_RULES:
+            raise RiverError(f"prompt_lookup_rule must be one of {', '.join(PROMPT_LOOKUP_RULES)}, "
+                             f"got {self.prompt_lookup_rule!r}")
+        if self.draft_path not in DRAFT_PATHS:
+            raise RiverError(f"draft_path must be one of {', '.join(DRAFT_PATHS)}, got {self.draft_path!r}")
+        if self.draft_tau is not None:
+            self.draft_tau = check_tau(self.draft_tau)
+        if self.draft_min_layer is not None and (isinstance(self.draft_min_layer, bool)
+                                                 or not isinstance(self.draft_min_layer, int) or self.draft_min_layer < 1):
+            raise RiverError(f"draft_min_layer must be an integer >= 1 or null, got {self.draft_min_layer!r}")
+        if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+            raise RiverError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.draft_vocab!r}")
         if self.verify_kernel not in VERIFY_KERNELS:
             raise RiverError(f"verify_kernel must be one of {', '.join(VERIFY_KERNELS)}, got {self.verify_kernel!r}")
         if self.offload_from is not None and (not isinstance(self.offload_from, int) or self.offload_from < 0):
@@ -200,6 +237,15 @@ class RiverConfig:
         if self.rules is not None:
             return rules_from_config(self.rules)
         return ExitRuleList([MinLayerRule(self.min_layer), StateTransitionSimilarityRule(self.tau)])
+
+    def build_draft_rules(self) -> ExitRuleList | None:
+        """The exit rules of lossless draft passes on the ``route`` path: ``[MinLayerRule(draft_min_layer
+        or min_layer), StateTransitionSimilarityRule(draft_tau or tau)]`` when either draft setting is
+        given; None (the lossy mode's rules) otherwise."""
+        if self.draft_tau is None and self.draft_min_layer is None:
+            return None
+        return ExitRuleList([MinLayerRule(self.draft_min_layer if self.draft_min_layer is not None else self.min_layer),
+                             StateTransitionSimilarityRule(self.draft_tau if self.draft_tau is not None else self.tau)])
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
