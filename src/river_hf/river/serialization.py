@@ -271,6 +271,13 @@ def model_card(model, *, base_model: str | None = None, measurement: dict | None
         "",
         "The folder also loads as the plain base model without `trust_remote_code`.",
         "",
+        "## Serving",
+        "",
+        "An OpenAI-compatible server (`/v1/chat/completions`, streaming): `river-hf serve PATH_OR_REPO` "
+        "(each answer carries its River statistics under `\"river\"`), or transformers' own "
+        "`transformers serve PATH_OR_REPO --trust-remote-code` (River too; without `--trust-remote-code` "
+        "it serves the plain base model).",
+        "",
         "## Measurements",
         "",
     ]
