@@ -190,3 +190,55 @@ def test_smollm2_frequent_vocab_drafts_give_the_plain_models_tokens(smollm2_path
     frequent = set(model._river_draft_heads[8192][0].ids.tolist())
     written = ref[0, ids.shape[1]:].tolist()
     assert sum(t in frequent for t in written) >= 0.9 * len(written)
+
+
+def test_sampling_with_a_frequent_vocab_draft_head_matches_the_unmodified_distribution():
+    """Speculative sampling stays exact when the drafts can only propose 8 of the 12 ids (q = 0 on
+    the rest: those tokens come only from the residual norm(max(p - q, 0))): rounds of k = 3 drafts
+    under temperature, top-k and top-p; the 3rd new token's marginal under the unmodified model
+    (over all 12^2 prefixes) must fit 800 lossless samples (chi-square p > 1e-3)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LogitsProcessorList
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from river_hf.kernels import WeightFingerprint
+    from test_lossless import _chi2_pvalue
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=12, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    base.generation_config.pad_token_id = 0
+    base.generation_config.eos_token_id = None
+    river = river_copy(base, config=RiverConfig(draft_tokens=3, max_draft_tokens=3, draft_schedule="constant", draft_vocab=8))
+    head = river.get_output_embeddings().backbone
+    river._river_draft_heads = {8: (FrequentVocabHead(head, torch.arange(8)), WeightFingerprint(head.weight))}
+    ids = torch.tensor([[3, 5, 7, 4]])
+    temperature, top_k, top_p = 3.0, 10, 0.95
+    warp = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)])
+    vocab = 12
+
+    def next_p(prefixes):
+        with torch.no_grad():
+            logits = base(prefixes).logits[:, -1].float()
+        return torch.softmax(warp(prefixes, logits), -1).double()
+
+    p1 = next_p(ids)[0]
+    p2 = next_p(torch.cat([ids.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1))
+    grid = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))
+    p3 = next_p(torch.cat([ids.repeat(grid.shape[0], 1), grid], 1)).view(vocab, vocab, vocab)
+    marginal3 = (p1[:, None, None] * p2[:, :, None] * p3).sum((0, 1))
+    assert float(marginal3[8:].sum()) > 0.05  # the ids the drafts cannot propose do occur
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    gen = dict(max_new_tokens=5, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+    accepted = drafted = 0
+    torch.manual_seed(1)
+    with river.river_mode("lossless"):
+        for _ in range(800):
+            out = river.generate(ids, **gen)
+            counts[out[0, ids.shape[1] + 2]] += 1
+            ll = river.river_stats["lossless"]
+            accepted += ll["accepted"]
+            drafted += ll["drafted"]
+            assert ll["draft_vocab"] == 8
+    assert 0 < accepted < drafted
+    assert _chi2_pvalue(counts, marginal3) > 1e-3
