@@ -242,3 +242,19 @@ def test_sampling_with_a_frequent_vocab_draft_head_matches_the_unmodified_distri
             assert ll["draft_vocab"] == 8
     assert 0 < accepted < drafted
     assert _chi2_pvalue(counts, marginal3) > 1e-3
+
+
+def test_call_vocab_scores_the_calls_own_tokens_exactly_and_leaves_the_shared_set_alone():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    draft = FrequentVocabHead(head, torch.arange(128))
+    call = draft.call_vocab()
+    call.add(torch.tensor([[5, 200, 201, 200]]))  # 200 and 201 lie outside the frequent set
+    assert sorted(call.ids.tolist()) == [200, 201]
+    call.add(torch.tensor([[5, 200, 201, 200, 250, 7]]))  # only the part after the last call's length
+    assert sorted(call.ids.tolist()) == [200, 201, 250]
+    x = torch.randn(1, 1, 16)
+    out = draft(x, call)
+    assert torch.allclose(out[..., [200, 201, 250]], head(x)[..., [200, 201, 250]])
+    assert torch.isinf(draft(x)[..., 200]).all()  # the shared head (another call) is unchanged
+    assert int(draft.member.sum()) == 128

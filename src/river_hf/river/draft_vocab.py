@@ -4,8 +4,10 @@ FR-Spec (Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language Mode
 Frequency-Ranked Speculative Sampling", arXiv 2502.14856, Sec. 3) observes that the LM head is a
 large share of a small draft model's cost when the vocabulary is large (Qwen2.5: 151936 rows, a
 quarter of the 0.5B model's weights) and that most tokens a model emits come from a small set of
-frequent ids. The draft pass therefore scores only the ``n`` most frequent token ids; the verify
-pass keeps the full head, so the output is still the backbone's (a token outside the set can never
+frequent ids. The draft pass therefore scores only the ``n`` most frequent token ids, plus the
+ids of the call's own prompt and output that the set lacks (:class:`CallVocab`, exact rows; an
+addition to FR-Spec: a name from the prompt is rare in any corpus and likely in the answer); the
+verify pass keeps the full head, so the output is still the backbone's (a token outside the set can never
 be drafted, it is simply produced by the verify as its bonus token).
 
 Frequencies are counted here on text that is not evaluation data: the source code and the
@@ -30,7 +32,7 @@ from torch import nn
 
 from ..errors import RiverError
 
-__all__ = ["CORPUS_BYTES", "token_counts", "frequent_token_ids", "FrequentVocabHead", "draft_head_for"]
+__all__ = ["CORPUS_BYTES", "token_counts", "frequent_token_ids", "FrequentVocabHead", "CallVocab", "draft_head_for"]
 
 #: bytes of text counted (about 3/4 code, 1/4 prose); about 20-40 s of tokenization once per tokenizer
 CORPUS_BYTES = 8_000_000
@@ -181,12 +183,46 @@ class FrequentVocabHead(nn.Module):
         self.rows = build(sub) if build is not None else sub
         self.register_buffer("ids", ids.clone(), persistent=False)
         self.vocab_size = weight.shape[0]
+        member = torch.zeros(self.vocab_size, dtype=torch.bool)
+        member[ids] = True
+        self.register_buffer("member", member, persistent=False)
+        self.source = head
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def call_vocab(self) -> CallVocab:
+        """A fresh :class:`CallVocab` for one ``generate`` call (its state lives with the call)."""
+        return CallVocab(self)
+
+    def forward(self, hidden_states: torch.Tensor, extra: CallVocab | None = None) -> torch.Tensor:
         part = self.rows(hidden_states).to(torch.float32)
         out = part.new_full((*part.shape[:-1], self.vocab_size), float("-inf"))
         out[..., self.ids] = part
+        if extra is not None and extra.ids.numel():
+            out[..., extra.ids] = (hidden_states @ extra.weight.T).to(torch.float32)
         return out
+
+
+class CallVocab:
+    """The tokens of one call that the frequent set lacks: the prompt's and those the call has
+    emitted so far (a name from the prompt, ``palindrome``, is rare in any corpus but likely in
+    the answer). Their rows are scored exactly (the LM head's own weights, ``[m, hidden]``) beside
+    the quantized frequent rows; :meth:`add` is given the sequence before each draft."""
+
+    def __init__(self, head: FrequentVocabHead):
+        self.head = head
+        self.seen = 0
+        self.ids = torch.zeros(0, dtype=torch.long, device=head.ids.device)
+        self.weight = head.source.weight.detach()[:0]
+
+    def add(self, sequence: torch.Tensor) -> None:
+        """Take the ids of ``sequence`` (``LongTensor [1, length]``) after the last call's length."""
+        new = sequence[0, self.seen:]
+        self.seen = sequence.shape[1]
+        new = new[(new >= 0) & (new < self.head.vocab_size)]
+        new = torch.unique(new[~self.head.member[new]])
+        fresh = new[~torch.isin(new, self.ids)]  # (the shared frequent set is never changed)
+        if fresh.numel():
+            self.ids = torch.cat([self.ids, fresh])
+            self.weight = torch.cat([self.weight, self.head.source.weight.detach()[fresh]])
 
 
 def draft_head_for(model, n: int, tokenizer=None) -> FrequentVocabHead:

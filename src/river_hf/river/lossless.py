@@ -164,6 +164,7 @@ class ExitPathDrafter(CandidateGenerator):
         self.draft_mode = EXIT_ONLY if draft_path == "exit" else ROUTE
         self.draft_rules = draft_rules
         self.draft_head = draft_head
+        self.call_vocab = draft_head.call_vocab() if draft_head is not None else None
         self.gate = LookupGate(prompt_lookup_rule)
         self.record = record if record is not None else {}
         self.lookup = None
@@ -182,6 +183,7 @@ class ExitPathDrafter(CandidateGenerator):
         self.record["prompt_lookup_rule"] = prompt_lookup_rule if self.lookup is not None else None
         self.record["draft_path"] = draft_path
         self.record["draft_vocab"] = None if draft_head is None else int(draft_head.ids.numel())
+        self.record["draft_vocab_call_ids"] = 0
         self._round_start = None
         self.record.setdefault("draft_exit_layers", [])
         self._drafted_now = 0
@@ -234,6 +236,8 @@ class ExitPathDrafter(CandidateGenerator):
         scores = []
         router = self.model.river
         stack = decoder_stack(self.model)[0] if self.draft_head is not None else None
+        if self.call_vocab is not None:
+            self.call_vocab.add(input_ids)
         with router.override(mode=self.draft_mode, rules=self.draft_rules), torch.no_grad():
             for j in range(k):
                 step_mask = None if mask is None else torch.cat([mask, mask.new_ones((1, j))], dim=-1)
@@ -244,7 +248,7 @@ class ExitPathDrafter(CandidateGenerator):
                 else:  # FR-Spec: the decoder stack, then the frequent-vocabulary head on the last hidden state
                     hidden = stack(input_ids=token, attention_mask=step_mask, position_ids=position + j,
                                    cache=cache, use_cache=True).last_hidden_state
-                    logits = self.draft_head(hidden[:, -1:, :])[:, -1, :]
+                    logits = self.draft_head(hidden[:, -1:, :], self.call_vocab)[:, -1, :]
                 self.record["draft_exit_layers"].append(router.exit_layer)
                 processed = self.logits_processor(sequence, logits) if len(self.logits_processor) else logits
                 if self.do_sample:
@@ -256,6 +260,8 @@ class ExitPathDrafter(CandidateGenerator):
                 if self.eos is not None and int(token) in self.eos:
                     break
         drafted = len(scores)
+        if self.call_vocab is not None:
+            self.record["draft_vocab_call_ids"] = int(self.call_vocab.ids.numel())
         cache.crop(-drafted)  # the drafts' K/V; the verify pass writes the backbone's in their place
         self._drafted_now = drafted
         self.record["drafted"] += drafted
@@ -310,7 +316,8 @@ class ExitPathDrafter(CandidateGenerator):
         acceptance: the verify forward, its logits processing and the acceptance rule),
         ``mean_draft_exit_layer`` (mean exit layer of the draft passes), ``verify_kernel`` (the
         kernel the verify passes' backbone Linears ran on, why, and the memory its packed copy adds:
-        see :func:`verify_mode`), the draft settings (``draft_path``, ``draft_vocab``,
+        see :func:`verify_mode`), the draft settings (``draft_path``, ``draft_vocab``: ids of the
+        frequent set, ``draft_vocab_call_ids``: ids of the call's own tokens scored beside it,
         ``prompt_lookup_rule``), and the costs in backbone decode steps: ``backbone_step_seconds``
         (one one-token backbone pass of this model, :func:`backbone_step_seconds`),
         ``draft_cost_steps`` (seconds per exit-path draft pass / that step), ``verify_cost_steps``
@@ -349,6 +356,7 @@ class ExitPathDrafter(CandidateGenerator):
             "verify_kernel": record.get("verify_kernel"),
             "draft_path": record.get("draft_path"),
             "draft_vocab": record.get("draft_vocab"),
+            "draft_vocab_call_ids": record.get("draft_vocab_call_ids"),
             "prompt_lookup_rule": record.get("prompt_lookup_rule"),
             "backbone_step_seconds": step,
             "draft_cost_steps": steps(exit_draft_seconds, passes),
