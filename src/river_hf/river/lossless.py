@@ -44,6 +44,7 @@ from ..errors import RiverError
 from ..kernels import PrepackedLinear, onednn_available
 from .arch import decoder_stack
 from .config import DRAFT_PATHS, DRAFT_SCHEDULES, PROMPT_LOOKUP_RULES, VERIFY_KERNELS
+from .draft_vocab import draft_head_for
 from .layer import BACKBONE_ONLY, EXIT_ONLY, ROUTE
 
 __all__ = ["ExitPathDrafter", "FirstStop", "LookupGate", "lossless_call", "DRAFT_PATHS", "DRAFT_SCHEDULES",
@@ -583,8 +584,6 @@ def draft_settings(model) -> dict:
     head = None
     if config.draft_vocab and not getattr(model.config.get_text_config(), "final_logit_softcapping", None):
         # (a softcapped head is applied by the architecture's own forward: its drafts keep the exit head)
-        from .draft_vocab import draft_head_for
-
         head = draft_head_for(model, config.draft_vocab)
     return {"draft_path": config.draft_path, "draft_rules": config.build_draft_rules(), "draft_head": head,
             "prompt_lookup_rule": config.prompt_lookup_rule}
