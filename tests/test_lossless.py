@@ -344,17 +344,24 @@ def _chi2_pvalue(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat.double() / 2))
 
 
-def test_lossless_sampling_matches_the_unmodified_distribution():
-    """The second new token is the first one a verify round decides (the first comes from the
-    prefill). Its exact marginal under the unmodified model, sum_t1 p(t1) p(t2 | t1), is computed
-    from the backbone; 1500 lossless samples must fit it. False-alarm rate of the test: 0.1 %
-    (reject when the chi-square p-value < 1e-3)."""
+def sampling_model():
+    """A tiny random Llama with 12 token ids (seed 0) for the distribution tests: every token is
+    likely enough to count, and without EOS every sample runs its full length."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=12, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=64)
     base = AutoModelForCausalLM.from_config(config).eval()
     base.generation_config.pad_token_id = 0
-    base.generation_config.eos_token_id = None  # every sample runs its full length
+    base.generation_config.eos_token_id = None
+    return base
+
+
+def test_lossless_sampling_matches_the_unmodified_distribution():
+    """The second new token is the first one a verify round decides (the first comes from the
+    prefill). Its exact marginal under the unmodified model, sum_t1 p(t1) p(t2 | t1), is computed
+    from the backbone; 1500 lossless samples must fit it. False-alarm rate of the test: 0.1 %
+    (reject when the chi-square p-value < 1e-3)."""
+    base = sampling_model()
     river = river_copy(base)
     ids = torch.tensor([[3, 5, 7, 4]])
     temperature = 3.0  # random tiny logits are flat-ish; a high temperature keeps every token likely
@@ -386,17 +393,12 @@ def test_lossless_sampling_with_three_drafts_and_top_k_top_p_matches_the_unmodif
     prefixes; 800 lossless samples must fit each (chi-square, p-value > 1e-3 each)."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=12, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64)
-    base = AutoModelForCausalLM.from_config(config).eval()
-    base.generation_config.pad_token_id = 0
-    base.generation_config.eos_token_id = None
+    base = sampling_model()
     river = river_copy(base, config=RiverConfig(draft_tokens=3, max_draft_tokens=3, draft_schedule="constant"))
     ids = torch.tensor([[3, 5, 7, 4]])
     temperature, top_k, top_p = 3.0, 8, 0.9
     warp = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)])
-    vocab = config.vocab_size
+    vocab = base.config.vocab_size
 
     def next_p(prefixes):  # processed next-token distributions, float64 [n, vocab]
         with torch.no_grad():

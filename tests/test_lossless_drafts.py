@@ -197,18 +197,12 @@ def test_sampling_with_a_frequent_vocab_draft_head_matches_the_unmodified_distri
     the rest: those tokens come only from the residual norm(max(p - q, 0))): rounds of k = 3 drafts
     under temperature, top-k and top-p; the 3rd new token's marginal under the unmodified model
     (over all 12^2 prefixes) must fit 800 lossless samples (chi-square p > 1e-3)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LogitsProcessorList
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     from river_hf.kernels import WeightFingerprint
-    from test_lossless import _chi2_pvalue
+    from test_lossless import _chi2_pvalue, sampling_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=12, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64)
-    base = AutoModelForCausalLM.from_config(config).eval()
-    base.generation_config.pad_token_id = 0
-    base.generation_config.eos_token_id = None
+    base = sampling_model()
     river = river_copy(base, config=RiverConfig(draft_tokens=3, max_draft_tokens=3, draft_schedule="constant", draft_vocab=8))
     head = river.get_output_embeddings().backbone
     river._river_draft_heads = {8: (FrequentVocabHead(head, torch.arange(8)), WeightFingerprint(head.weight))}
