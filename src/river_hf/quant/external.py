@@ -31,7 +31,12 @@ optimizations, and **spinning off** (``session.intra_op.allow_spinning = "0"``):
 Linear means a few hundred sessions in a model, and spinning workers of idle sessions would take
 the cores from torch's threads between the products (docs/river.md has the measurement).
 ``RIVER_HF_ORT_SPINNING=1`` in the environment turns spinning on for sessions created afterwards
-(for measuring it).
+(for measuring it). onnxruntime's one process-wide pool (``set_global_thread_pool_sizes``,
+``use_per_session_threads = False``) is not used: its workers spin, and measured on the 2-core
+AVX-512 machine (Qwen2.5-0.5B shapes, 24 layers x 7 products + head with an SDPA call per layer
+between them, random weights) one step took 170 ms against 40 ms with per-session pools and 25 ms
+on torch's tinygemm: every OpenMP parallel region of torch then waits for a core the spinning
+worker holds. Without torch work between the products the shared pool was the fastest (21.9 ms).
 """
 
 from __future__ import annotations
@@ -68,9 +73,10 @@ def block_size_for(in_features: int, largest: int = 128) -> int | None:
 def _cast_input(module, x: torch.Tensor) -> torch.Tensor:
     """``x`` as a contiguous float32 ``[rows, in_features]`` tensor without autograd history (the
     kernels read raw memory), cast through the module's memo when it has one."""
-    if x.dtype != torch.float32:
+    if x.dtype is not torch.float32:
         x = module.memo.cast(x, torch.float32) if module.memo is not None else x.float()
-    return x.detach().reshape(-1, module.in_features).contiguous()
+    x = x.detach().reshape(-1, module.in_features)
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _asymmetric_int4(w: torch.Tensor, g: int):
@@ -179,11 +185,11 @@ def _ort_session(model: bytes):
     so = ort.SessionOptions()
     so.intra_op_num_threads = max(1, torch.get_num_threads())
     so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning",
+                                "1" if os.environ.get(ORT_SPINNING_ENV, "0") == "1" else "0")
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3  # errors only
-    so.add_session_config_entry("session.intra_op.allow_spinning",
-                                "1" if os.environ.get(ORT_SPINNING_ENV, "0") == "1" else "0")
     return ort.InferenceSession(model, sess_options=so, providers=["CPUExecutionProvider"])
 
 
@@ -239,6 +245,7 @@ class OrtMatMulNBitsLinear(nn.Module):
                                    zero_points)
         del b, q
         self.session = _ort_session(model)
+        self._outputs = ("Y",)
         self.in_features, self.out_features, self.bits, self.group_size = k, n, bits, g
         self.accuracy_level = accuracy_level
         self.river_kernel = kernel
@@ -254,9 +261,11 @@ class OrtMatMulNBitsLinear(nn.Module):
         if x2.shape[0] == 0:
             y = x2.new_zeros(0, self.out_features)
         else:  # zero-copy both ways: numpy views of torch memory in, a numpy array wrapped out
-            y = torch.from_numpy(self.session.run(("Y",), {"A": x2.numpy()})[0])
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+            y = torch.from_numpy(self.session.run(self._outputs, {"A": x2.numpy()})[0])
+        if self.bias is not None:
+            y += self.bias  # y is this call's own fresh array
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if x.dtype is torch.float32 else y.to(x.dtype)
 
     def __deepcopy__(self, memo):
         """A copy sharing the (read-only, thread-safe) onnxruntime session; everything else copied."""

@@ -1,0 +1,322 @@
+"""Held-out decode speed of every River mode against the plain model, a bf16 backbone and llama.cpp.
+
+One process. Every method decodes the same prompts (``--prompts``, e.g. ``humaneval:100-102``:
+problems no default was chosen on), greedy, exactly ``--new-tokens`` new tokens each (EOS
+suppressed), batch 1. Methods (``--methods``, default all that can run here):
+
+- ``unmodified`` (the reference): the plain transformers model in fp32 (``river_hf.plain_model``:
+  the architecture's own class over River's backbone tensors, no River code on its path);
+- ``river``: River with the model's own settings (``configs/<key>.json``: τ, min layer, int4 exit
+  layers and head, the prompt on the backbone);
+- ``exit``: fully quantized (``river_mode("exit")``: every layer its exit copy, the exit head);
+- ``lossless``: River lossless with the model's own settings (the plain model's tokens);
+- ``unmodified-bf16``, ``river-bf16``, ``exit-bf16``: the same with the backbone loaded in bf16
+  (a second load; the exit layers' kernels are chosen for bf16 inputs);
+- ``llama.cpp``: llama-cpp-python on the very GGUF the fp32 checkpoint was dequantized from
+  (``river_hf.models.gguf_file``), ``--threads`` threads, fed the same prompt token ids; only
+  when ``llama_cpp`` imports (it builds from its PyPI sdist; not a dependency of river-hf).
+
+EOS suppression: every transformers method gets one ``LogitsProcessor`` that sets the EOS logits
+to -inf by index (:class:`SuppressIds`), llama.cpp the same through its ``logits_processor``.
+transformers' own ``min_new_tokens`` processor builds a vocabulary-sized ``arange`` and an
+``isin`` at every step (about 0.7 ms per step on the 2-core machine, measured with the torch
+profiler), a fixed cost that would shrink every faster method's ratio; neither suppressor changes
+any token other than EOS.
+
+Timing is ``river_hf.timing.compare``: one untimed warm-up of every method, then ``--repeats``
+rounds in which the reference runs next to each method (R A R B ..., reversed every other round);
+end-to-end tokens/s (prompt included) and decode-only tokens/s, median (min-max), speedups per
+neighbouring pair. Weight bytes per decode step: the Linear weights a step reads (River: its
+``river_stats``; llama.cpp: the GGUF's tensor data, i.e. the file size less its metadata), and
+the achieved GB/s as a share of this machine's STREAM triad. Per method the JSON also has its
+tokens and whether each completion equals the fp32 reference's. JSON + Markdown + PNG.
+
+    python benchmarks/heldout_speed.py --model qwen2.5-coder-0.5b --prompts humaneval:100-102 \\
+        --new-tokens 128 --repeats 3 --out docs/results/heldout_speed_qwen2.5-coder-0.5b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import torch
+
+METHODS = ("unmodified", "river", "exit", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16", "llama.cpp")
+
+
+class SuppressIds:
+    """A transformers ``LogitsProcessor``: ``scores[:, ids] = -inf`` (one indexed fill per step).
+
+    ``__call__(input_ids [batch, seq] int64, scores [batch, vocab] float) -> scores`` (modified in place)."""
+
+    def __init__(self, ids):
+        self.ids = torch.tensor(sorted(set(ids)), dtype=torch.long)
+
+    def __call__(self, input_ids, scores):
+        return scores.index_fill_(1, self.ids, float("-inf"))
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """Every EOS id the tokenizer or the model's generation config names."""
+    ids = set()
+    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return sorted(ids)
+
+
+def gguf_tensor_bytes(path: str) -> int:
+    """Bytes of tensor data in a GGUF file (what a llama.cpp decode step reads at most)."""
+    from gguf import GGUFReader
+
+    return int(sum(t.n_bytes for t in GGUFReader(path).tensors))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--methods", default=None, help=f"comma list from {', '.join(METHODS)} (default: all that run here)")
+    ap.add_argument("--prompts", default="humaneval:100-102", help="e.g. humaneval:100-102,gsm8k:100-101")
+    ap.add_argument("--gsm8k-data", default=None)
+    ap.add_argument("--set-name", default="held-out", choices=("tuning", "held-out"))
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads (default: torch's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a RiverConfig field for every River model (JSON value), e.g. fuse_projections=true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from lossless_bench import parse_prompt_sets  # noqa: E402 - the sibling benchmark's prompt-set parser
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    has_llama = importlib.util.find_spec("llama_cpp") is not None
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else [
+        m for m in METHODS if m != "llama.cpp" or has_llama]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or "unmodified" not in methods:
+        ap.error(f"--methods: unknown {unknown}" if unknown else "--methods must include unmodified")
+    if "llama.cpp" in methods and not has_llama:
+        ap.error("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python builds it from source)")
+    if args.new_tokens < 2 or args.repeats < 1:
+        ap.error("--new-tokens must be >= 2 and --repeats >= 1")
+    overrides = {}
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq:
+            ap.error(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key] = json.loads(value)
+        except ValueError:
+            overrides[key] = value
+
+    from transformers import AutoTokenizer, LogitsProcessorList
+
+    from river_hf import RiverForCausalLM, plain_model
+    from river_hf.eval.common import atomic_write, humaneval_problems, save_figure, write_json
+    from river_hf.eval.data import gsm8k_prompt, humaneval_prompt, load_gsm8k
+    from river_hf.models import encode_prompt, gguf_file, is_key, resolve
+    from river_hf.quant import linear_weight_bytes
+    from river_hf.quant.autotune import load_average
+    from river_hf.river.config import default_config
+    from river_hf.timing import Measurement, TokenTimer, compare
+
+    if "llama.cpp" in methods and not is_key(args.model):
+        ap.error("llama.cpp needs a model key (its GGUF): " + args.model)
+    t0 = time.time()
+    load_before = load_average()
+    try:
+        wanted = parse_prompt_sets(args.prompts)
+    except ValueError as e:
+        ap.error(str(e))
+    every = {"humaneval": humaneval_problems()}
+    if any(d == "gsm8k" for d, _ in wanted):
+        every["gsm8k"] = list(load_gsm8k(args.gsm8k_data)[0])
+    names, texts = [], []
+    for dataset, i in wanted:
+        if not 0 <= i < len(every[dataset]):
+            ap.error(f"--prompts: {dataset} indices must lie in 0..{len(every[dataset]) - 1}")
+        item = every[dataset][i]
+        names.append(item["task_id"] if dataset == "humaneval" else f"gsm8k/{i}")
+        texts.append(humaneval_prompt(item) if dataset == "humaneval" else gsm8k_prompt(item["question"]))
+
+    def load(dtype):
+        kwargs = {"river_config": dataclasses.replace(default_config(args.model), **overrides)} if overrides else {}
+        model = RiverForCausalLM.from_pretrained(args.model, dtype=dtype, progress=False, **kwargs)
+        return model, plain_model(model)
+
+    river, plain = load(torch.float32)
+    river16 = plain16 = None
+    if any(m.endswith("-bf16") for m in methods):
+        river16, plain16 = load(torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(resolve(args.model, progress=False))
+    prompts = [encode_prompt(tok, text)["input_ids"] for text in texts]
+    eos = eos_ids(tok, river)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    gen = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad,
+               logits_processor=LogitsProcessorList([SuppressIds(eos)]))
+    full_bytes = {torch.float32: linear_weight_bytes(plain)}
+    if plain16 is not None:
+        full_bytes[torch.bfloat16] = linear_weight_bytes(plain16)
+
+    llm = gguf_bytes = None
+    if "llama.cpp" in methods:
+        from llama_cpp import Llama
+
+        path = gguf_file(args.model, progress=False)
+        gguf_bytes = gguf_tensor_bytes(path)
+        n_ctx = max(p.shape[1] for p in prompts) + args.new_tokens + 8
+        llm = Llama(model_path=path, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
+                    n_ctx=n_ctx, n_batch=512, verbose=False, seed=0)
+
+    def llama_run(ids) -> tuple[Measurement, list[int]]:
+        import numpy as np
+
+        def suppress(_ids, scores):
+            scores[eos] = -np.inf
+            return scores
+
+        llm.reset()  # no prefix reuse between runs: every run pays its prompt, as the others do
+        new, ttft = [], 0.0
+        start = time.perf_counter()
+        for token in llm.generate(ids[0].tolist(), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                  reset=True, logits_processor=[suppress]):
+            if not new:
+                ttft = time.perf_counter() - start
+            new.append(int(token))
+            if len(new) == args.new_tokens:
+                break
+        seconds = time.perf_counter() - start
+        return Measurement(new_tokens=len(new), seconds=seconds, ttft_s=ttft, decode_tokens=len(new) - 1,
+                           decode_s=seconds - ttft, decode_steps=len(new) - 1, weight_bytes_per_step=gguf_bytes), new
+
+    tokens: dict[str, list[list[int]]] = {}
+    stats: dict[str, list[dict]] = {}
+
+    def run(method):
+        measurements, outs, rows = [], [], []
+        for ids in prompts:
+            if method == "llama.cpp":
+                m, new = llama_run(ids)
+            else:
+                bf16 = method.endswith("-bf16")
+                base = method.removesuffix("-bf16")
+                model = (plain16 if bf16 else plain) if base == "unmodified" else (river16 if bf16 else river)
+                timer = TokenTimer()
+                mode = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(base)
+                with torch.no_grad(), (model.river_mode(mode) if mode else contextlib.nullcontext()):
+                    timer.reset()
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=timer, **gen)
+                new = out[0, ids.shape[1]:].tolist()
+                m = timer.measurement(returned_tokens=len(new))
+                if mode is None:
+                    m.weight_bytes_per_step = full_bytes[torch.bfloat16 if bf16 else torch.float32]
+                else:
+                    s = model.river_stats
+                    m.weight_bytes_per_step = s["weight_bytes_per_token"] * m.decode_tokens / max(m.decode_steps, 1)
+                    rows.append({k: s.get(k) for k in ("mode", "mean_exit_layer", "exit_fraction")}
+                                | ({"acceptance_rate": s["lossless"].get("acceptance_rate"),
+                                    "draft_cost_steps": s["lossless"].get("draft_cost_steps"),
+                                    "verify_cost_steps": s["lossless"].get("verify_cost_steps")} if mode == "lossless" else {}))
+            measurements.append(m)
+            outs.append(new)
+        tokens[method], stats[method] = outs, rows
+        return measurements
+
+    comparison = compare({m: (lambda m=m: run(m)) for m in methods}, reference="unmodified", repeats=args.repeats,
+                         progress=True, reference_kind="plain transformers model in fp32 (river_hf.plain_model)")
+    ref = tokens["unmodified"]
+    report = {
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        "model": args.model, "set": args.set_name, "prompts": names, "new_tokens": args.new_tokens, "greedy": True,
+        "eos_suppressed": "one index fill of the EOS logits per step (SuppressIds / llama.cpp logits_processor)",
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count(),
+        "river_config": river.river_config.to_dict(), "overrides": overrides,
+        "kernel_choice": river.river_config.kernel_choice,
+        "kernel_choice_bf16": river16.river_config.kernel_choice if river16 is not None else None,
+        "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "gguf": gguf_bytes},
+        "llama_cpp_version": _version("llama_cpp_python") if llm is not None else None,
+        "protocol": ("river_hf.timing.compare: one untimed warm-up of every method, then "
+                     f"{args.repeats} rounds with the reference next to each method (R A R B ..., reversed every "
+                     "other round); speedups per neighbouring pair, median (min-max); every prompt exactly "
+                     f"{args.new_tokens} new tokens"),
+        "load_avg_1m_before": load_before, "load_avg_1m_after": load_average(),
+        "comparison": comparison.to_dict(),
+        "identical_to_fp32_reference": {m: sum(a == b for a, b in zip(tokens[m], ref)) for m in methods},
+        "per_prompt_stats": stats, "tokens": tokens, "wall_seconds": time.time() - t0,
+    }
+    write_json(args.out, report)
+    base = os.path.splitext(args.out)[0]
+    atomic_write(base + ".md", markdown(report))
+    save_figure(_figure(report), base + ".png")
+    print(markdown(report))
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def markdown(report: dict) -> str:
+    """The result as a Markdown table, with the command and protocol."""
+    comp = report["comparison"]
+    n = len(report["prompts"])
+    triad = comp["stream_triad_gb_s"]
+    lines = [f"`{report['command']}`", "",
+             f"{report['model']}, {report['set']} set: {', '.join(report['prompts'])}, greedy, exactly "
+             f"{report['new_tokens']} new tokens each ({report['eos_suppressed']}); reference: {comp['reference_kind']}; "
+             f"{report['protocol']}; {report['threads']} threads; STREAM triad {triad or float('nan'):.1f} GB/s; "
+             f"1-minute load {report['load_avg_1m_before']:.2f} before, {report['load_avg_1m_after']:.2f} after.", "",
+             "| method | end-to-end tok/s | × plain e2e | decode tok/s (min-max) | × plain decode (min-max) | verdict | "
+             "identical to fp32 | weight MB/step | GB/s (% triad) |", "|---|---|---|---|---|---|---|---|---|"]
+    ref = next(r for r in comp["rows"] if r["label"] == comp["reference"])
+    for r in comp["rows"]:
+        e2e, d, sp = r["tokens_per_s"], r["decode_tokens_per_s"], r["speedup"]
+        bw = r["bandwidth_gb_s"]
+        bws = "" if bw is None else f"{bw:.1f}" + (f" ({100 * bw / triad:.0f} %)" if triad else "")
+        mb = "" if r["weight_bytes_per_step"] is None else f"{r['weight_bytes_per_step'] / 1e6:.0f}"
+        ratio = "reference" if r["label"] == comp["reference"] else f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})"
+        lines.append(f"| {r['label']} | {e2e['median']:.2f} | {e2e['median'] / ref['tokens_per_s']['median']:.2f} | "
+                     f"{d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {ratio} | {r['verdict']} | "
+                     f"{report['identical_to_fp32_reference'][r['label']]}/{n} | {mb} | {bws} |")
+    return "\n".join(lines) + "\n"
+
+
+def _figure(report: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["comparison"]["rows"]
+    names = [r["label"] for r in rows]
+    med = [r["speedup"]["median"] for r in rows]
+    lo = [r["speedup"]["median"] - r["speedup"]["min"] for r in rows]
+    hi = [r["speedup"]["max"] - r["speedup"]["median"] for r in rows]
+    colors = ["#888" if n.startswith("unmodified") else "#2ca02c" if n == "llama.cpp" else "#1f77b4" for n in names]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    ax.bar(names, med, yerr=[lo, hi], capsize=4, color=colors)
+    ax.set_xticks(range(len(names)), names, fontsize=8, rotation=20)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("decode speedup vs plain fp32\n(median, min-max over rounds)")
+    ax.set_title(f"{report['model']}: {report['set']} set of {len(report['prompts'])} prompts, "
+                 f"{report['new_tokens']} tokens each", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
