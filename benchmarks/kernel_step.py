@@ -10,8 +10,11 @@ fastest kernel per shape as ``KernelTuner`` times it alone, with its weights str
 spinning off (the default). It is not in the default list: once its 169 sessions have run, their
 workers stay runnable (on the 2-core machine the 1-minute load went from about 10 to 36 in a run
 with it), which slows every other configuration of the process and the machine's other work;
-name it alone with its reference (``--configs torch-int4,ort-int4+spin``) to see that. Kernels
-whose library is not installed are left out (listed in the JSON as ``skipped``).
+name it alone with its reference (``--configs torch-int4,ort-int4+spin``) to see that. A label
+ending in ``+fused`` (``int4+fused``, ``torch-int4+fused``) builds that configuration with
+``RiverConfig.fuse_projections`` on: q/k/v and gate/up as one product each, 4 kernel calls per
+layer instead of 7. Kernels whose library is not installed are left out (listed in the JSON as
+``skipped``).
 
 Timing is ``river_hf.timing.compare``: one untimed warm-up of every configuration, then
 ``--repeats`` rounds in which the reference (``--reference``, default ``torch-int4``: the kernel
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import os
 import statistics
 import sys
@@ -100,7 +104,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "ort-int4+spin"),
-                    help=f"comma list from {', '.join(CONFIGS)} (default: all but ort-int4+spin)")
+                    help=f"comma list from {', '.join(CONFIGS)} (default: all but ort-int4+spin); a label "
+                         "ending in +fused builds that configuration with fused q/k/v and gate/up products "
+                         "(RiverConfig.fuse_projections), e.g. int4+fused")
     ap.add_argument("--reference", default="torch-int4")
     ap.add_argument("--problem", type=int, default=100, help="HumanEval index of the prompt (default 100)")
     ap.add_argument("--new-tokens", type=int, default=64, help="exact new tokens (EOS suppressed)")
@@ -111,7 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     labels = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in labels if c not in CONFIGS]
+    unknown = [c for c in labels if c.removesuffix("+fused") not in CONFIGS]
     if unknown or args.reference not in labels:
         ap.error(f"--configs: unknown {unknown}" if unknown else f"--configs must include the reference {args.reference}")
     if args.new_tokens < 2 or args.repeats < 1:
@@ -119,7 +125,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from river_hf import enable_river
+    from river_hf import RiverConfig, enable_river
     from river_hf.eval.common import humaneval_problems, save_figure, write_json
     from river_hf.eval.data import humaneval_prompt
     from river_hf.models import encode_prompt, resolve
@@ -140,14 +146,16 @@ def main(argv=None) -> int:
 
     models, skipped, build_s = {}, {}, {}
     for label in labels:
-        backend, head, spin = CONFIGS[label]
+        fused = label.endswith("+fused")
+        backend, head, spin = CONFIGS[label.removesuffix("+fused")]
         kernels = get_backend(backend).candidates
         if len(kernels) == 1 and not kernels[0].available("cpu"):
             skipped[label] = f"{kernels[0].name} is not available here (its library is not installed or fails here)"
             continue
         start = time.perf_counter()
         with _env(ORT_SPINNING_ENV, "1" if spin else None):
-            models[label] = enable_river(shell_of(base), backend=backend, exit_head=head, progress=False, tuner=tuner)
+            cfg = dataclasses.replace(RiverConfig(), backend=backend, exit_head=head, fuse_projections=fused)
+            models[label] = enable_river(shell_of(base), config=cfg, progress=False, tuner=tuner)
         build_s[label] = time.perf_counter() - start
         print(f"built {label} in {build_s[label]:.1f} s", flush=True)
     if args.reference not in models:
@@ -177,8 +185,8 @@ def main(argv=None) -> int:
         "mode": "fully quantized (river_mode('exit')), fp32 backbone", "greedy": True, "eos_suppressed": True,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": machine_id("cpu"),
         "load_avg_1m_before": load_before, "load_avg_1m_after": load_after, "cpus": os.cpu_count(),
-        "versions": _versions(), "configs": {label: dict(zip(("backend", "exit_head", "ort_spinning"), CONFIGS[label]))
-                                             for label in models},
+        "versions": _versions(), "configs": {label: dict(zip(("backend", "exit_head", "ort_spinning"), CONFIGS[label.removesuffix("+fused")]),
+                                                    fuse_projections=label.endswith("+fused")) for label in models},
         "skipped": skipped, "build_seconds": build_s,
         "kernels": {label: kernel_rows(m.river_kernel_report) for label, m in models.items()},
         "kernel_names": sorted(KERNELS),

@@ -184,13 +184,15 @@ def test_fully_quantized_mode_runs_on_each_new_kernel(name):
     assert model.river_stats["weight_bytes_per_token"] < dense * (0.4 if KERNELS[name].bits == 8 else 0.25)
 
 
-def test_the_measured_choices_include_the_available_new_kernels():
+def test_the_measured_choices_include_the_available_new_kernels_but_not_onnxruntime():
     linear = nn.Linear(256, 128)
-    for choice, names in (("int4", ("ort-int4", "ark-int4")), ("int8", ("torch-dyn-int8", "ort-int8", "ark-int8")),
-                          ("int4-g32", ("ort-int4-g32",))):
+    for choice, names in (("int4", ("ark-int4",)), ("int8", ("torch-dyn-int8", "ark-int8")), ("int4-g32", ())):
         usable = {k.name for k in get_backend(choice).usable(linear)}
         assert usable >= {n for n in names if KERNELS[n].available("cpu")}
         assert usable <= {k.name for k in BACKENDS[choice].candidates}
+        # onnxruntime's kernels lost inside a whole decode step (their pool shares the cores): named only
+        assert not any(k.name.startswith("ort-") for k in BACKENDS[choice].candidates)
+    assert get_backend("ort-int4").candidates == (KERNELS["ort-int4"],)
     # the tuner measures each of them (no timing is asserted, only that every candidate got one)
     candidates = get_backend("int4").usable(linear)
     timings = KernelTuner(False, rounds=1, stream_bytes=1 << 16).measure(candidates, linear)
@@ -233,21 +235,27 @@ def exit_logits(model) -> torch.Tensor:
         return model(input_ids=torch.arange(3, 15)[None]).logits
 
 
-def test_kernel_choice_naming_onnxruntime_round_trips_and_falls_back_without_it(tmp_path, measured, monkeypatch):
+def test_a_saved_onnxruntime_choice_is_honoured_and_falls_back_without_it(tmp_path, measured, monkeypatch):
+    """Folders saved when the int4 choice still measured onnxruntime's kernels name ort-int4: where it
+    is available it is used again (the same tokens), elsewhere one warning and this machine's kernel."""
     need("ort-int4")
     model = enable_river(tiny("qwen2"), tau=0.9, backend="int4", exit_head="int4", progress=False)
-    choice = model.river_config.kernel_choice
-    assert choice and set(choice.values()) == {"ort-int4"}
-    reference = exit_logits(model)
+    assert "ort-int4" not in set(model.river_config.kernel_choice.values())  # no longer a measured candidate
     folder = tmp_path / "river-folder"
     model.save_pretrained(folder)
-    assert json.loads((folder / "config.json").read_text())["river"]["kernel_choice"] == choice
+    config = json.loads((folder / "config.json").read_text())
+    choice = {key: "ort-int4" for key in config["river"]["kernel_choice"]}
+    config["river"]["kernel_choice"] = choice
+    (folder / "config.json").write_text(json.dumps(config))
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every saved kernel exists here: nothing to warn about
         loaded = RiverForCausalLM.from_pretrained(str(folder), progress=False)
     assert loaded.river_config.kernel_choice == choice and {k["kernel"] for k in loaded.river_kernels()} == {"ort-int4"}
-    assert torch.equal(exit_logits(loaded), reference)  # exit copies rebuilt from the backbone: the same model
+    reference = exit_logits(loaded)
+    again = tmp_path / "again"
+    loaded.save_pretrained(again)
+    assert torch.equal(exit_logits(RiverForCausalLM.from_pretrained(str(again), progress=False)), reference)
 
     without(monkeypatch, "ort-")
     with warnings.catch_warnings(record=True) as caught:
@@ -256,7 +264,7 @@ def test_kernel_choice_naming_onnxruntime_round_trips_and_falls_back_without_it(
     ours = [str(w.message) for w in caught if "saved kernel choice" in str(w.message)]
     assert len(ours) == 1 and "saved ort-int4 (not available on this machine)" in ours[0]
     assert "ort-int4" not in {k["kernel"] for k in fallback.river_kernels()}
-    assert torch.allclose(exit_logits(fallback), reference, atol=0.5)  # another int4 grid, the same model
+    assert torch.allclose(exit_logits(fallback), reference, atol=0.5)  # another int4 kernel, the same grid
 
 
 def test_a_folder_naming_onnxruntime_loads_without_it(tmp_path, monkeypatch):

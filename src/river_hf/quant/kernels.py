@@ -38,12 +38,17 @@ Kernels (``KERNELS``):
     available ones.
 
 Kernel *choices* (what ``RiverConfig.backend`` / ``exit_head`` name, see :func:`get_backend`):
-    ``int4-g32``: the faster of ``torch-int4-g32`` and ``ort-int4-g32`` per shape (measured).
+    ``int4-g32``: ``torch-int4-g32``.
     ``int8`` / ``int4``: the fastest kernel of that weight width for each Linear's shape, chosen by
         a short measurement on the machine at hand (:mod:`.autotune`). The width is the quality
         knob (HumanEval pass@1 follows the exit layers' bits, docs/river.md); within one width the
         kernels quantize alike (same grid, relative output error within a few percent of each
-        other, reported per Linear), so speed alone picks among them.
+        other, reported per Linear), so speed alone picks among them. The onnxruntime kernels are
+        not candidates: each product is fast alone, but their thread pool shares the cores with
+        torch's, and inside a whole decode step they lost (Qwen2.5-Coder-0.5B fully quantized on
+        the 2-core AVX-512 machine: ``ort-int4`` 0.73x the decode speed of ``torch-int4``, and the
+        measured choice with an onnxruntime head slower than without: docs/river.md). Name them to
+        use them.
     any kernel name above: that kernel for every Linear (``quanto`` is kept as a name for
     ``quanto-int4``).
 
@@ -190,7 +195,7 @@ KERNELS: dict[str, WeightOnlyKernel] = {
         WeightOnlyKernel("torch-int4", 4, group_size=128),
         WeightOnlyKernel("torch-int4-g32", 4, group_size=32),
         WeightOnlyKernel("quanto-int8", 8),
-        WeightOnlyKernel("quanto-int4", 4),
+        WeightOnlyKernel("quanto-int4", 4, group_size=128),
         WeightOnlyKernel("ort-int4", 4, torch.float32, group_size=128),
         WeightOnlyKernel("ort-int4-g32", 4, torch.float32, group_size=32),
         WeightOnlyKernel("ort-int8", 8, torch.float32, group_size=128),
@@ -286,9 +291,15 @@ class KernelChoice:
         return tuner.choose(candidates, linear)
 
 
+def _same_grid(a: WeightOnlyKernel, b: WeightOnlyKernel) -> bool:
+    """Whether two kernels quantize to the same width and group size (a saved choice of one may stand
+    for the other's choice)."""
+    return a.bits == b.bits and a.group_size == b.group_size
+
+
 def _why_not(choice: KernelChoice, name: str, linear: nn.Linear) -> str:
     """Why the saved kernel ``name`` cannot serve ``linear`` under ``choice`` (for the warning)."""
-    if name not in {k.name for k in choice.candidates}:
+    if name not in KERNELS or not _same_grid(KERNELS[name], choice.candidates[0]):
         return f"not a {choice.name} kernel of this river-hf"
     if not KERNELS[name].available(linear.weight.device):
         return "not available on this machine"
@@ -331,12 +342,15 @@ class KernelPlan:
         """The kernel ``choice`` gives ``linear`` (see the class docstring) and the timings (µs per
         call) when it was measured."""
         candidates = choice.usable(linear)
-        if not choice.measured:
-            return candidates[0], {}
         key = shape_key(choice.name, linear)
         want = self.saved.get(key)
+        if not choice.measured and want is None:
+            return candidates[0], {}
         timings: dict = {}
         kernel = next((k for k in candidates if k.name == want), None)
+        if kernel is None and want in KERNELS and _same_grid(KERNELS[want], choice.candidates[0]) \
+                and KERNELS[want].supports(linear) and KERNELS[want].available(linear.weight.device):
+            kernel = KERNELS[want]  # a kernel this choice no longer measures (ort-int4), saved by an older build
         if kernel is None:
             if len(candidates) == 1 or self.tuner is None:
                 kernel = candidates[0]
@@ -364,10 +378,9 @@ class KernelPlan:
 
 #: the fixed-kernel names, and the two measured choices. ``quanto`` is the old name of ``quanto-int4``.
 BACKENDS: dict[str, KernelChoice] = {
-    "int8": KernelChoice("int8", tuple(KERNELS[k] for k in (
-        "torch-int8", "torch-dyn-int8", "ort-int8", "ark-int8", "quanto-int8"))),
-    "int4": KernelChoice("int4", tuple(KERNELS[k] for k in ("torch-int4", "ort-int4", "ark-int4", "quanto-int4"))),
-    "int4-g32": KernelChoice("int4-g32", (KERNELS["torch-int4-g32"], KERNELS["ort-int4-g32"])),
+    "int8": KernelChoice("int8", tuple(KERNELS[k] for k in ("torch-int8", "torch-dyn-int8", "ark-int8", "quanto-int8"))),
+    "int4": KernelChoice("int4", tuple(KERNELS[k] for k in ("torch-int4", "ark-int4", "quanto-int4"))),
+    "int4-g32": KernelChoice("int4-g32", (KERNELS["torch-int4-g32"],)),
     **{name: KernelChoice(name, (k,)) for name, k in KERNELS.items()},
     "quanto": KernelChoice("quanto", (KERNELS["quanto-int4"],)),
 }
