@@ -153,6 +153,8 @@ def main(argv=None) -> int:
         model = RiverForCausalLM.from_pretrained(args.model, dtype=dtype, progress=False, **kwargs)
         return model, plain_model(model)
 
+    # the GGUF first: a key's conversion then reads this copy instead of downloading it again
+    path = gguf_file(args.model, progress=True) if "llama.cpp" in methods else None
     river, plain = load(torch.float32)
     river16 = plain16 = None
     if any(m.endswith("-bf16") for m in methods):
@@ -171,7 +173,6 @@ def main(argv=None) -> int:
     if "llama.cpp" in methods:
         from llama_cpp import Llama
 
-        path = gguf_file(args.model, progress=False)
         gguf_bytes = gguf_tensor_bytes(path)
         n_ctx = max(p.shape[1] for p in prompts) + args.new_tokens + 8
         llm = Llama(model_path=path, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),

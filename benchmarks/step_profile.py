@@ -74,10 +74,12 @@ MODES = ("unmodified", "river", "exit", "lossless")
 def linear_like(module: nn.Module) -> bool:
     """A weight product module: a Linear or one of river-hf's built copies of one."""
     from river_hf.quant import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+    from river_hf.quant.external import ArkWoqLinear, DynamicInt8Linear, OrtMatMulNBitsLinear
     from river_hf.quant.fused import FusedProjection, ProjectionSlice
 
     return isinstance(module, (nn.Linear, CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, FusedProjection,
-                               ProjectionSlice)) or type(module).__name__.startswith("QLinear")
+                               ProjectionSlice, ArkWoqLinear, DynamicInt8Linear, OrtMatMulNBitsLinear)) \
+        or type(module).__name__.startswith("QLinear")
 
 
 def categories(model: nn.Module) -> dict[int, str]:

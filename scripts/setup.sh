@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create ./.venv (once) with torch 2.13.0 and river-hf with its test/eval/serve extras (editable).
+# Create ./.venv (once) with torch 2.13.0 and river-hf with its test/eval/serve extras and the ARK and
+# onnxruntime CPU kernels (editable; see pyproject.toml for why ARK is installed here and not a plain dependency).
 # torch comes from pip's configured index (PyPI or a mirror), pinned. On Linux x86-64 PyPI serves a
 # multi-GB CUDA build; for the CPU build set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # (or any other torch index). No other index is contacted unless asked for.
@@ -28,6 +29,6 @@ else
       "build: this can take many minutes; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU build) ..."
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
-say "installing river-hf (editable), its dependencies (transformers, optimum-quanto, ...) and the test, eval and serve extras (pytest, datasets, fastapi, uvicorn, ...) ..."
+say "installing river-hf (editable), its dependencies (transformers, optimum-quanto, ...), the test, eval and serve extras (pytest, datasets, fastapi, uvicorn, ...) and the ARK and onnxruntime CPU kernels ..."
 "${PIP[@]}" -e ".[dev]"
 say "done: .venv/bin/river-hf and .venv/bin/python -m pytest are ready"

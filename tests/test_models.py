@@ -309,3 +309,11 @@ def test_gguf_file_refuses_a_bad_checksum_and_leaves_nothing(tmp_path, monkeypat
 def test_gguf_file_needs_a_registry_key(name):
     with pytest.raises(RiverError, match="model key"):
         models.gguf_file(name)
+
+
+def test_a_kept_gguf_is_converted_without_a_second_download(tmp_path, monkeypatch, fake_key):
+    kept = models.gguf_file("fake", progress=False)
+    monkeypatch.setattr(models.subprocess, "run", lambda *a, **k: pytest.fail("downloaded again"))
+    folder = models.resolve("fake", progress=False)
+    assert (Path(folder) / "model.safetensors").is_file() and len(fake_key) == 1
+    assert Path(kept).is_file()  # the GGUF stays for llama.cpp

@@ -41,3 +41,17 @@ def test_profiler_partitions_each_pass_and_cleans_up():
     assert set(rows["river"]["ms"]) == set(sp.CATEGORIES) and rows["river"]["passes"] == 3
     # hooks removed, router methods back to the class's
     assert not nn.modules.module._global_forward_hooks and "begin" not in vars(model.river)
+
+
+@pytest.mark.parametrize("kernel", ["ark-int4", "ort-int4", "torch-dyn-int8"])
+def test_other_libraries_kernels_count_as_exit_products(kernel):
+    from river_hf.quant import KERNELS
+
+    if not KERNELS[kernel].available("cpu"):
+        pytest.skip(f"{kernel} is not available here")
+    model = enable_river(tiny_model("llama"), config=RiverConfig(tau=0.5, min_layer=1, backend=kernel, exit_head=kernel),
+                         progress=False)
+    cats = sp.categories(model)
+    exit_mlp = model.model.layers[1].exit_layer.mlp
+    assert type(exit_mlp.down_proj).__name__ in ("ArkWoqLinear", "OrtMatMulNBitsLinear", "DynamicInt8Linear")
+    assert cats[id(exit_mlp.down_proj)] == "exit products"

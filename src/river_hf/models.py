@@ -357,7 +357,8 @@ def _ensure_converted(entry: ModelEntry, *, progress: bool) -> Path:
         with tempfile.TemporaryDirectory(dir=root, prefix=f".{entry.key}.tmp-") as tmp:
             tmp = Path(tmp)
             try:
-                gguf = _fetch_gguf(entry, tmp, progress=progress)
+                kept = cache_dir() / "gguf" / f"{entry.key}.gguf"  # gguf_file's copy, sha256-checked when kept
+                gguf = kept if kept.is_file() else _fetch_gguf(entry, tmp, progress=progress)
             except RiverError as e:
                 if not damage:
                     raise

@@ -33,10 +33,11 @@ the cores from torch's threads between the products (docs/river.md has the measu
 ``RIVER_HF_ORT_SPINNING=1`` in the environment turns spinning on for sessions created afterwards
 (for measuring it). onnxruntime's one process-wide pool (``set_global_thread_pool_sizes``,
 ``use_per_session_threads = False``) is not used: its workers spin, and measured on the 2-core
-AVX-512 machine (Qwen2.5-0.5B shapes, 24 layers x 7 products + head with an SDPA call per layer
-between them, random weights) one step took 170 ms against 40 ms with per-session pools and 25 ms
-on torch's tinygemm: every OpenMP parallel region of torch then waits for a core the spinning
-worker holds. Without torch work between the products the shared pool was the fastest (21.9 ms).
+AVX-512 machine (``benchmarks/ort_pools.py``: Qwen2.5-0.5B shapes, 24 layers x 7 products + head
+with an SDPA call per layer between them, random weights) one step took 125 ms against 36 ms with
+per-session pools and 23 ms on torch's tinygemm: every OpenMP parallel region of torch then waits
+for a core the spinning worker holds. Without torch work between the products the shared pool
+was the fastest (20.1 ms).
 """
 
 from __future__ import annotations
