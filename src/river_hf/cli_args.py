@@ -43,7 +43,8 @@ def add_river_arguments(p, *, min_layer: bool = True) -> None:
     p.add_argument("--backend", default=None, metavar="KERNEL",
                    help="exit-layer kernels: int8 / int4 (fastest of that width per shape, measured here), int4-g32 "
                         "(groups of 32: more accurate), or one of torch-int8, torch-int4, torch-int4-g32, quanto-int8, "
-                        "quanto-int4, ort-int4, ort-int4-g32, ort-int8 (onnxruntime), torch-dyn-int8, ark-int4, "
+                        "quanto-int4, ort-int4, ort-int4-g32, ort-int8 (onnxruntime: only when named, it lost inside a decode "
+                        "step), torch-dyn-int8, ark-int4, "
                         "ark-int8 (auto-round-lib), copy (default: per-model config)")
     p.add_argument("--exit-head", default=None, metavar="KERNEL",
                    help="quantized copy of the LM head for steps that left the backbone: int4, int8, a kernel name, "
