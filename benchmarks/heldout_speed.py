@@ -108,11 +108,17 @@ def main(argv=None) -> int:
         ap.error("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python builds it from source)")
     if args.new_tokens < 2 or args.repeats < 1:
         ap.error("--new-tokens must be >= 2 and --repeats >= 1")
+    from river_hf.errors import RiverError
+    from river_hf.river.config import RiverConfig
+
+    fields = {f.name for f in dataclasses.fields(RiverConfig)}
     overrides = {}
     for item in args.set:
         key, eq, value = item.partition("=")
         if not eq:
             ap.error(f"--set {item!r}: expected KEY=VALUE")
+        if key not in fields:
+            ap.error(f"--set {item!r}: {key!r} is not a RiverConfig field ({', '.join(sorted(fields))})")
         try:
             overrides[key] = json.loads(value)
         except ValueError:
@@ -133,13 +139,19 @@ def main(argv=None) -> int:
         ap.error("llama.cpp needs a model key (its GGUF): " + args.model)
     t0 = time.time()
     load_before = load_average()
+    if load_before > 1.25 * (os.cpu_count() or 1):
+        print(f"heldout_speed: warning: the 1-minute load average is {load_before:.1f} on {os.cpu_count()} cores; "
+              "other work is running and the timings will mean little", file=sys.stderr)
     try:
         wanted = parse_prompt_sets(args.prompts)
     except ValueError as e:
         ap.error(str(e))
     every = {"humaneval": humaneval_problems()}
     if any(d == "gsm8k" for d, _ in wanted):
-        every["gsm8k"] = list(load_gsm8k(args.gsm8k_data)[0])
+        try:
+            every["gsm8k"] = list(load_gsm8k(args.gsm8k_data)[0])
+        except RiverError as e:
+            ap.error(f"--gsm8k-data: {e}")
     names, texts = [], []
     for dataset, i in wanted:
         if not 0 <= i < len(every[dataset]):
@@ -246,7 +258,7 @@ def main(argv=None) -> int:
         "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "gguf": gguf_bytes},
         "llama_cpp_version": _version("llama_cpp_python") if llm is not None else None,
         "protocol": ("river_hf.timing.compare: one untimed warm-up of every method, then "
-                     f"{args.repeats} rounds with the reference next to each method (R A R B ..., reversed every "
+                     f"{args.repeats} round(s) with the reference next to each method (R A R B ..., reversed every "
                      "other round); speedups per neighbouring pair, median (min-max); every prompt exactly "
                      f"{args.new_tokens} new tokens"),
         "load_avg_1m_before": load_before, "load_avg_1m_after": load_average(),

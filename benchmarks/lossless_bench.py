@@ -109,11 +109,12 @@ def parse_prompt_sets(text: str) -> list[tuple[str, int]]:
         ValueError: an unknown dataset or a malformed range."""
     out: list[tuple[str, int]] = []
     dataset = None
-    for part in text.split(","):
+    for item in text.split(","):
+        part = item
         if ":" in part:
             dataset, _, part = part.partition(":")
         if dataset not in ("humaneval", "gsm8k"):
-            raise ValueError(f"--prompts: each range needs humaneval: or gsm8k: in front, got {part!r}")
+            raise ValueError(f"--prompts: each range needs humaneval: or gsm8k: in front, got {item!r}")
         out.extend((dataset, i) for i in parse_problems(part))
     return out
 

@@ -31,4 +31,9 @@ else
 fi
 say "installing river-hf (editable), its dependencies (transformers, optimum-quanto, ...), the test, eval and serve extras (pytest, datasets, fastapi, uvicorn, ...) and the ARK and onnxruntime CPU kernels ..."
 "${PIP[@]}" -e ".[dev]"
+if ! .venv/bin/python -c "import auto_round_kernel" 2>/dev/null; then
+  say "note: the ARK kernels (auto-round-lib) are not installed: it ships wheels only for Linux x86-64 and" \
+      "CPython >= 3.11; the int4/int8 choices measure torch's and quanto's kernels instead (slower prompt passes" \
+      "on the exit path; docs/river.md)"
+fi
 say "done: .venv/bin/river-hf and .venv/bin/python -m pytest are ready"

@@ -301,3 +301,12 @@ def test_remeasure_drops_an_entry_whose_kernel_is_gone(tmp_path, monkeypatch, ca
     capsys.readouterr()
     left = [e["candidates"] for e in read_cache(cache)[0].values()]
     assert left == [["quanto-int4", "torch-int4"]]  # measured again; the ort entry dropped
+
+
+@pytest.mark.parametrize("name, needs", [("ark-int4", "auto-round-lib"), ("ort-int8", "onnxruntime")])
+def test_a_named_kernel_whose_library_is_missing_is_one_clear_error(monkeypatch, name, needs):
+    from river_hf import RiverError
+
+    without(monkeypatch, name.split("-")[0] + "-")
+    with pytest.raises(RiverError, match=needs):
+        enable_river(tiny("llama"), tau=0.9, backend=name, exit_head=name, progress=False)

@@ -270,14 +270,24 @@ class KernelChoice:
 
     def usable(self, linear: nn.Linear) -> list[WeightOnlyKernel]:
         """The candidates with a real implementation for ``linear``'s shape on this machine (when
-        none has: the last candidate available here, else the last; ``int4``/``int8`` end with
-        quanto, which packs every shape, on a slow path where it must)."""
+        none has: the last candidate available here; ``int4``/``int8`` end with quanto, which packs
+        every shape, on a slow path where it must).
+
+        Raises:
+            RiverError: no candidate can run here at all (a named kernel whose library is not
+                installed, e.g. ``ark-int4`` without auto-round-lib); the message names what it needs.
+        """
         device = linear.weight.device
         usable = [k for k in self.candidates if k.supports(linear) and k.available(device)]
         if usable:
             return usable
         available = [k for k in self.candidates if k.available(device)]
-        return (available or list(self.candidates))[-1:]
+        if not available:
+            raise RiverError(f"exit-layer kernel {self.name!r} cannot run on {torch.device(device).type} here: "
+                             + "; ".join(f"{k.name} needs {_NEEDS.get(k.name.split('-')[0], 'its library')}"
+                                         for k in self.candidates)
+                             + " (or choose another kernel, e.g. int4)")
+        return available[-1:]
 
     def pick(self, linear: nn.Linear, tuner=None) -> tuple[WeightOnlyKernel, dict]:
         """The kernel for ``linear`` and the candidates' timings (µs per call; empty when nothing
@@ -289,6 +299,17 @@ class KernelChoice:
         if len(candidates) == 1 or tuner is None:
             return candidates[0], {}
         return tuner.choose(candidates, linear)
+
+
+#: what each kernel family needs, for the error when none of a choice's kernels can run
+_NEEDS = {
+    "ort": "onnxruntime (pip install 'river-hf[ort]') on a CPU",
+    "ark": "auto-round-lib (pip install 'river-hf[ark]'; wheels for Linux x86-64, CPython >= 3.11, torch >= 2.13) "
+           "on a CPU",
+    "quanto": "optimum-quanto",
+    "torch": "an op this torch build lacks on this device (torch._weight_int4pack_mm / _weight_int8pack_mm, or the "
+             "fbgemm engine for torch-dyn-int8)",
+}
 
 
 def _same_grid(a: WeightOnlyKernel, b: WeightOnlyKernel) -> bool:
