@@ -285,6 +285,8 @@ def _version(dist: str) -> str | None:
 
 def markdown(report: dict) -> str:
     """The result as a Markdown table, with the command and protocol."""
+    from river_hf.timing import bandwidth_cell, markdown_rows
+
     comp = report["comparison"]
     n = len(report["prompts"])
     triad = comp["stream_triad_gb_s"]
@@ -292,43 +294,21 @@ def markdown(report: dict) -> str:
              f"{report['model']}, {report['set']} set: {', '.join(report['prompts'])}, greedy, exactly "
              f"{report['new_tokens']} new tokens each ({report['eos_suppressed']}); reference: {comp['reference_kind']}; "
              f"{report['protocol']}; {report['threads']} threads; STREAM triad {triad or float('nan'):.1f} GB/s; "
-             f"1-minute load {report['load_avg_1m_before']:.2f} before, {report['load_avg_1m_after']:.2f} after.", "",
-             "| method | end-to-end tok/s | × plain e2e | decode tok/s (min-max) | × plain decode (min-max) | verdict | "
-             "identical to fp32 | weight MB/step | GB/s (% triad) |", "|---|---|---|---|---|---|---|---|---|"]
-    ref = next(r for r in comp["rows"] if r["label"] == comp["reference"])
-    for r in comp["rows"]:
-        e2e, d, sp = r["tokens_per_s"], r["decode_tokens_per_s"], r["speedup"]
-        bw = r["bandwidth_gb_s"]
-        bws = "" if bw is None else f"{bw:.1f}" + (f" ({100 * bw / triad:.0f} %)" if triad else "")
-        mb = "" if r["weight_bytes_per_step"] is None else f"{r['weight_bytes_per_step'] / 1e6:.0f}"
-        ratio = "reference" if r["label"] == comp["reference"] else f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})"
-        lines.append(f"| {r['label']} | {e2e['median']:.2f} | {e2e['median'] / ref['tokens_per_s']['median']:.2f} | "
-                     f"{d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {ratio} | {r['verdict']} | "
-                     f"{report['identical_to_fp32_reference'][r['label']]}/{n} | {mb} | {bws} |")
+             f"1-minute load {report['load_avg_1m_before']:.2f} before, {report['load_avg_1m_after']:.2f} after.", ""]
+    lines += markdown_rows(comp, {
+        "identical to fp32": lambda r: f"{report['identical_to_fp32_reference'][r['label']]}/{n}",
+        "weight MB/step": lambda r: "" if r["weight_bytes_per_step"] is None else f"{r['weight_bytes_per_step'] / 1e6:.0f}",
+        "GB/s (% triad)": lambda r: bandwidth_cell(r, triad)})
     return "\n".join(lines) + "\n"
 
 
 def _figure(report: dict):
-    import matplotlib
+    from river_hf.timing import bar_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["comparison"]["rows"]
-    names = [r["label"] for r in rows]
-    med = [r["speedup"]["median"] for r in rows]
-    lo = [r["speedup"]["median"] - r["speedup"]["min"] for r in rows]
-    hi = [r["speedup"]["max"] - r["speedup"]["median"] for r in rows]
-    colors = ["#888" if n.startswith("unmodified") else "#2ca02c" if n == "llama.cpp" else "#1f77b4" for n in names]
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    ax.bar(names, med, yerr=[lo, hi], capsize=4, color=colors)
-    ax.set_xticks(range(len(names)), names, fontsize=8, rotation=20)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_ylabel("decode speedup vs plain fp32\n(median, min-max over rounds)")
-    ax.set_title(f"{report['model']}: {report['set']} set of {len(report['prompts'])} prompts, "
-                 f"{report['new_tokens']} tokens each", fontsize=9)
-    fig.tight_layout()
-    return fig
+    return bar_figure(
+        report["comparison"]["rows"],
+        f"{report['model']}: {report['set']} set of {len(report['prompts'])} prompts, {report['new_tokens']} tokens each",
+        color=lambda n: "#888" if n.startswith("unmodified") else "#2ca02c" if n == "llama.cpp" else "#1f77b4")
 
 
 if __name__ == "__main__":

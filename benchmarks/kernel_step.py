@@ -223,27 +223,15 @@ def _versions() -> dict:
 
 
 def _figure(report: dict):
-    import matplotlib
+    from river_hf.timing import bar_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["comparison"]["rows"]
-    names = [r["label"] for r in rows]
-    med = [r["decode_tokens_per_s"]["median"] for r in rows]
-    lo = [m - r["decode_tokens_per_s"]["min"] for m, r in zip(med, rows)]
-    hi = [r["decode_tokens_per_s"]["max"] - m for m, r in zip(med, rows)]
-    colors = ["#888" if "torch" in n else "#1f77b4" if n.startswith("ort") else "#2ca02c" if n.startswith("ark")
-              else "#ff7f0e" for n in names]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    ax.bar(names, med, yerr=[lo, hi], capsize=4, color=colors)
-    ax.set_xticks(range(len(names)), names, fontsize=8, rotation=20)
-    ax.set_ylabel("decode tokens/s\n(median, min-max over rounds)")
-    ax.set_title(f"{report['model']} fully quantized, one kernel per run, {report['new_tokens']} tokens; "
-                 f"1-min load {report['load_avg_1m_before']} / {report['load_avg_1m_after']} on {report['cpus']} cores",
-                 fontsize=9)
-    fig.tight_layout()
-    return fig
+    return bar_figure(
+        report["comparison"]["rows"],
+        f"{report['model']} fully quantized, one kernel per run, {report['new_tokens']} tokens; "
+        f"1-min load {report['load_avg_1m_before']} / {report['load_avg_1m_after']} on {report['cpus']} cores",
+        metric="decode_tokens_per_s", ylabel="decode tokens/s\n(median, min-max over rounds)", figsize=(8, 3.6),
+        color=lambda n: "#888" if "torch" in n else "#1f77b4" if n.startswith("ort") else "#2ca02c" if n.startswith("ark")
+        else "#ff7f0e")
 
 
 if __name__ == "__main__":

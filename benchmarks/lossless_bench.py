@@ -363,32 +363,33 @@ def main(argv=None) -> int:
 
 def markdown(report: dict) -> str:
     """The result as a Markdown table (what docs/lossless.md quotes), with the command and protocol."""
+    from river_hf.timing import bandwidth_cell, markdown_rows
+
     comp = report["comparison"]
     n = len(report["problems"])
     kinfo = report["verify_kernel"]
+    triad = comp["stream_triad_gb_s"]
     lines = [f"`{report['command']}`", "",
              f"{report['model']}, {report.get('set', 'held-out')} set: {', '.join(report['problems'])} ({n} prompts), greedy, "
              f"exactly {report['new_tokens']} new tokens each (EOS suppressed); reference: {comp['reference_kind']}; "
              f"verify kernel {kinfo['kernel']} ({kinfo['why']}; baselines: {report['baseline_verify_kernel']}); "
              f"early exit at layer {report['early_exit_layer']} of {report['num_layers']}; {report['protocol']}; "
-             f"{report['threads']} threads; STREAM triad {comp['stream_triad_gb_s'] or float('nan'):.1f} GB/s.", "",
-             "| method | end-to-end tok/s | × plain e2e | decode tok/s | × plain decode (min-max) | verdict | "
-             "identical | acceptance | tokens/verify | GB/s (% triad) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    ref = next(r for r in comp["rows"] if r["label"] == comp["reference"])
-    for r in comp["rows"]:
+             f"{report['threads']} threads; STREAM triad {triad or float('nan'):.1f} GB/s.", ""]
+
+    def acceptance(r):
         s = report["summary"][r["label"]]
-        e2e, d, sp = r["tokens_per_s"], r["decode_tokens_per_s"], r["speedup"]
-        e2e_x = e2e["median"] / ref["tokens_per_s"]["median"]
         acc = "" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
         if s.get("lookup_acceptance_rate") is not None:
             acc += f" (exit path {s['exit_path_acceptance_rate'] or 0:.2f}, lookup {s['lookup_acceptance_rate']:.2f})"
-        tpv = "" if s["tokens_per_verify"] is None else f"{s['tokens_per_verify']:.2f}"
-        bw = r["bandwidth_gb_s"]
-        triad = comp["stream_triad_gb_s"]
-        bws = "" if bw is None else f"{bw:.1f}" + (f" ({100 * bw / triad:.0f} %)" if triad else "")
-        ratio = "reference" if r["label"] == comp["reference"] else f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})"
-        lines.append(f"| {r['label']} | {e2e['median']:.2f} | {e2e_x:.2f} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | "
-                     f"{ratio} | {r['verdict']} | {s['identical_completions']}/{n} | {acc} | {tpv} | {bws} |")
+        return acc
+
+    def per_verify(r):
+        tpv = report["summary"][r["label"]]["tokens_per_verify"]
+        return "" if tpv is None else f"{tpv:.2f}"
+
+    lines += markdown_rows(comp, {
+        "identical": lambda r: f"{report['summary'][r['label']]['identical_completions']}/{n}",
+        "acceptance": acceptance, "tokens/verify": per_verify, "GB/s (% triad)": lambda r: bandwidth_cell(r, triad)})
     for name, s in report["summary"].items():
         if s.get("draft_cost_in_backbone_steps") is not None:
             lines += ["", f"{name}: one exit-path draft costs {s['draft_cost_in_backbone_steps']:.2f} and one verify "
@@ -398,26 +399,15 @@ def markdown(report: dict) -> str:
 
 
 def _figure(report: dict):
-    import matplotlib
+    from river_hf.timing import bar_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["comparison"]["rows"]
-    names = [r["label"] for r in rows]
-    med = [r["speedup"]["median"] for r in rows]
-    lo = [r["speedup"]["median"] - r["speedup"]["min"] for r in rows]
-    hi = [r["speedup"]["max"] - r["speedup"]["median"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.bar(names, med, yerr=[lo, hi], capsize=4, color=["#888" if n == "unmodified" else "#1f77b4" if n.startswith("lossless")
-                                                        else "#ff7f0e" for n in names])
-    ax.set_xticks(range(len(names)), [n.replace("+", "+\n") for n in names], fontsize=8)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_ylabel("decode speedup vs plain model\n(median, min-max over rounds)")
-    ax.set_title(f"{report['model']}: lossless decoders, {report.get('set', 'held-out')} set of {len(report['problems'])} prompts, "
-                 f"{report['new_tokens']} tokens each", fontsize=9)
-    fig.tight_layout()
-    return fig
+    return bar_figure(
+        report["comparison"]["rows"],
+        f"{report['model']}: lossless decoders, {report.get('set', 'held-out')} set of {len(report['problems'])} prompts, "
+        f"{report['new_tokens']} tokens each",
+        ylabel="decode speedup vs plain model\n(median, min-max over rounds)", figsize=(7, 3.6),
+        color=lambda n: "#888" if n == "unmodified" else "#1f77b4" if n.startswith("lossless") else "#ff7f0e",
+        tick=lambda n: n.replace("+", "+\n"))
 
 
 if __name__ == "__main__":

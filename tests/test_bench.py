@@ -230,3 +230,27 @@ def test_run_bench_labels_reference_agreement_and_tau(tiny_river, tiny_folder, m
     assert all(r["next_token_match"] is None and r["mean_kl"] is None for r in rows)
     assert [r["agreement"] for r in rows[1:]] == ["missing"] * (len(rows) - 1)
     assert "n/a" in format_rows(rows, info, 1)
+
+
+def test_markdown_rows_and_bar_figure_share_one_layout_for_the_benchmarks(tmp_path):
+    """The benchmark scripts' tables and bar charts come from one helper: the reference row says so,
+    the others carry their per-pair speedup, and extra columns follow in order."""
+    from river_hf.files import save_figure
+    from river_hf.timing import bandwidth_cell, bar_figure, markdown_rows
+
+    runs = {"R": 10.0, "A": 20.0}
+    cmp = compare({k: (lambda v=v: _run(v)) for k, v in runs.items()}, reference="R", repeats=1, warmup=False,
+                  bandwidth=False).to_dict()
+    lines = markdown_rows(cmp, {"note": lambda r: r["label"].lower(), "GB/s": lambda r: bandwidth_cell(r, 30.0)})
+    assert lines[0].startswith("| method | end-to-end tok/s |") and lines[0].endswith("| note | GB/s |")
+    assert lines[1].count("---") == 8
+    ref, a = lines[2].split(" | "), lines[3].split(" | ")
+    assert ref[0] == "| R" and ref[4] == "reference" and ref[6] == "r"
+    assert a[0] == "| A" and a[4] == "2.00 (2.00-2.00)" and a[6] == "a"
+    assert bandwidth_cell({"bandwidth_gb_s": 12.0}, 30.0) == "12.0 (40 %)"
+    assert bandwidth_cell({"bandwidth_gb_s": None}, 30.0) == ""
+    fig = bar_figure(cmp["rows"], "title", metric="decode_tokens_per_s", tick=str.lower)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["r", "a"]
+    assert [round(p.get_height(), 6) for p in fig.axes[0].patches] == [10.0, 20.0]
+    save_figure(fig, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 0

@@ -58,6 +58,25 @@ def test_kernel_matches_dense_within_its_width(name, bias):
     assert kernel_name(q) == name
 
 
+@pytest.mark.parametrize("name", ["torch-int8", "torch-int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bias_is_added_in_the_callers_dtype_bit_for_bit(name, dtype):
+    """The bias add that also casts the kernel's bf16 output (one kernel instead of two) gives the same
+    bits as cast-then-add, and the caller's dtype, for fp32, bf16 and fp16 models."""
+    from river_hf.quant.modules import _to_dtype_plus_bias
+
+    torch.manual_seed(0)
+    q = KERNELS[name].build(nn.Linear(256, 96).to(dtype))
+    x = torch.randn(1, 2, 256).to(dtype)
+    y = q(x)
+    assert y.dtype == dtype
+    raw = torch.randn(3, 96).bfloat16()
+    for bias in (torch.randn(96).to(dtype), None):
+        expected = raw.to(dtype) if bias is None else raw.to(dtype) + bias
+        got = _to_dtype_plus_bias(raw, dtype, bias)
+        assert got.dtype == dtype and torch.equal(got, expected)
+
+
 def test_torch_int4_packs_shapes_quanto_cannot():
     """SmolLM2's hidden size 576 is not a multiple of 128: quanto falls back, torch-int4 uses groups of 64."""
     linear = nn.Linear(576, 64)

@@ -88,12 +88,23 @@ class Int8WeightOnlyLinear(nn.Module):
         xc = x if x.dtype == self.compute_dtype else (
             self.memo.cast(x, self.compute_dtype) if self.memo is not None else x.to(self.compute_dtype))
         y = torch._weight_int8pack_mm(xc.reshape(-1, self.in_features), self.weight_int8, self.scales)
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return _to_dtype_plus_bias(y.reshape(*x.shape[:-1], self.out_features), x.dtype, self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         """``[out, in]`` float32: the weights this module multiplies by."""
         return self.weight_int8.float() * self.scales.float()[:, None]
+
+
+def _to_dtype_plus_bias(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y.to(dtype) + bias`` (or ``y.to(dtype)`` without a bias) in one kernel where the add itself
+    can cast: a bias already in ``dtype``, which is at least as wide as ``y``'s (bf16 kernel output,
+    fp32 model), is added by one mixed-dtype add. Each element is ``bias + float(y)`` either way,
+    so the result is the same bit for bit; it saves one cast kernel per biased Linear and step."""
+    if bias is None:
+        return y.to(dtype)
+    if bias.dtype == dtype and torch.promote_types(y.dtype, dtype) == dtype:
+        return torch.add(y, bias)
+    return y.to(dtype) + bias
 
 
 def _int4_group_size(in_features: int, largest: int = 128) -> int | None:
@@ -153,8 +164,7 @@ class Int4WeightOnlyLinear(nn.Module):
             y = torch._weight_int4pack_mm_for_cpu(x2, self.weight_packed, self.group_size, self.scale_zeros)
         else:  # pragma: no cover - needs a GPU
             y = torch._weight_int4pack_mm(x2, self.weight_packed, self.group_size, self.scale_zeros)
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return _to_dtype_plus_bias(y.reshape(*x.shape[:-1], self.out_features), x.dtype, self.bias)
 
 
 @torch.no_grad()
