@@ -12,6 +12,10 @@ suppressed), batch 1. Methods (``--methods``, default all that can run here):
 - ``lossless``: River lossless with the model's own settings (the plain model's tokens);
 - ``unmodified-bf16``, ``river-bf16``, ``exit-bf16``: the same with the backbone loaded in bf16
   (a second load; the exit layers' kernels are chosen for bf16 inputs);
+- ``unmodified-onednn``: the plain fp32 model with every Linear call (one row included) on oneDNN
+  over weights packed once (``river_hf.kernels.PrepackedLinear(min_rows=1)``, a second copy of the
+  weights in memory): the plain model on torch's other fp32 kernel, where MKL's one-row product is
+  slow (the 2-core AMD EPYC machine), so the speedups can be read against the faster fp32 baseline;
 - ``llama.cpp``: llama-cpp-python on the very GGUF the fp32 checkpoint was dequantized from
   (``river_hf.models.gguf_file``), ``--threads`` threads, fed the same prompt token ids; only
   when ``llama_cpp`` imports (it builds from its PyPI sdist; not a dependency of river-hf).
@@ -48,7 +52,8 @@ import time
 
 import torch
 
-METHODS = ("unmodified", "river", "exit", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16", "llama.cpp")
+METHODS = ("unmodified", "river", "exit", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16", "unmodified-onednn",
+           "llama.cpp")
 
 
 class SuppressIds:
@@ -211,6 +216,13 @@ def main(argv=None) -> int:
         return Measurement(new_tokens=len(new), seconds=seconds, ttft_s=ttft, decode_tokens=len(new) - 1,
                            decode_s=seconds - ttft, decode_steps=len(new) - 1, weight_bytes_per_step=gguf_bytes), new
 
+    packed = None
+    if "unmodified-onednn" in methods:
+        from river_hf.kernels import PrepackedLinear
+
+        packed = PrepackedLinear([m for m in plain.modules() if isinstance(m, torch.nn.Linear)],
+                                 max_rows=max(p.shape[1] for p in prompts) + args.new_tokens, min_rows=1)
+
     tokens: dict[str, list[list[int]]] = {}
     stats: dict[str, list[dict]] = {}
 
@@ -221,11 +233,13 @@ def main(argv=None) -> int:
                 m, new = llama_run(ids)
             else:
                 bf16 = method.endswith("-bf16")
-                base = method.removesuffix("-bf16")
+                onednn = method == "unmodified-onednn"
+                base = method.removesuffix("-bf16").removesuffix("-onednn")
                 model = (plain16 if bf16 else plain) if base == "unmodified" else (river16 if bf16 else river)
                 timer = TokenTimer()
                 mode = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(base)
-                with torch.no_grad(), (model.river_mode(mode) if mode else contextlib.nullcontext()):
+                kernels = packed if onednn else (model.river_mode(mode) if mode else contextlib.nullcontext())
+                with torch.no_grad(), kernels:
                     timer.reset()
                     out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=timer, **gen)
                 new = out[0, ids.shape[1]:].tolist()

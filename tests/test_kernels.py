@@ -145,3 +145,25 @@ def test_weight_fingerprint_samples_inside_any_weight():
     fp = WeightFingerprint(w)
     w.data[999] = 1.0  # through .data: the version counter does not see it, the sample does
     assert not fp.matches(w)
+
+
+def test_prepacked_min_rows_one_reroutes_one_row_calls_and_bad_values_are_refused():
+    """PrepackedLinear(min_rows=1) also takes one-row products (the plain model's decode steps) onto the
+    packed oneDNN copy, equal to F.linear up to summation order; the default keeps them on F.linear."""
+    from river_hf.kernels import PrepackedLinear, onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 80)
+    x = torch.randn(1, 1, 48)
+    ref = F.linear(x, lin.weight, lin.bias)
+    for min_rows, rerouted in ((1, 1), (2, 0)):
+        mode = PrepackedLinear([lin], max_rows=8, min_rows=min_rows)
+        with torch.no_grad(), mode:
+            out = lin(x)
+        assert mode.calls_rerouted == rerouted and out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for bad in (0, 3, True, 1.0):
+        with pytest.raises(ValueError, match="min_rows"):
+            PrepackedLinear([lin], min_rows=bad)

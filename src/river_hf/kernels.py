@@ -216,25 +216,33 @@ class PrepackedLinear(TorchFunctionMode):
         linears: the ``nn.Linear`` modules whose weights are packed (fp32, on CPU; others skipped).
         max_rows: largest number of input rows (tokens × batch) that is rerouted (default 64).
         rows_hint: the row count oneDNN tunes the packed layout for (default 8).
+        min_rows: smallest number of rows that is rerouted: 2 (the default: a verify pass's rows;
+            one-row calls stay on ``F.linear``) or 1 (every call up to ``max_rows``: on the 2-core
+            AMD EPYC (Zen 4) machine MKL's one-row fp32 product read 896x4864 weights at 10 GB/s and
+            prepacked oneDNN at 16.5, the LM head at 10.4 and 21 GB/s; on the AMX Xeons the one-row
+            MKL product was the faster one, :meth:`measure` tells).
 
     Inside the mode, ``F.linear(x, W, b)`` with ``x: float32 [..., in]`` on CPU, ``W`` one of the
-    packed weights and ``2 <= rows <= max_rows`` returns ``float32 [..., out]`` computed by
+    packed weights and ``min_rows <= rows <= max_rows`` returns ``float32 [..., out]`` computed by
     ``torch.ops.mkldnn._linear_pointwise``; every other call goes to ``F.linear`` untouched. The
     result equals ``F.linear``'s up to fp32 summation order (relative error ~1e-6), as any batched
     verify does against one-token decoding. No module is modified.
 
     Raises:
         RuntimeError: this torch has no oneDNN (:func:`onednn_available` is False).
-        ValueError: ``max_rows`` is not an int >= 2.
+        ValueError: ``max_rows`` is not an int >= 2, or ``min_rows`` is not 1 or 2.
     """
 
-    def __init__(self, linears, max_rows: int = 64, rows_hint: int = 8):
+    def __init__(self, linears, max_rows: int = 64, rows_hint: int = 8, min_rows: int = 2):
         super().__init__()
         if not onednn_available():
             raise RuntimeError("this torch build has no oneDNN (torch.ops.mkldnn); use F.linear (verify_kernel='torch')")
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 2:
             raise ValueError(f"max_rows must be an int >= 2 (one row is already a fast GEMV), got {max_rows!r}")
+        if type(min_rows) is not int or min_rows not in (1, 2):
+            raise ValueError(f"min_rows must be 1 (every call) or 2 (multi-row calls only), got {min_rows!r}")
         self.max_rows = max_rows
+        self.min_rows = min_rows
         self.rows_hint = rows_hint
         self._linears = [m for m in linears if _packable(m)]
         self._packed: dict[int, _Packed] = {}
@@ -281,7 +289,7 @@ class PrepackedLinear(TorchFunctionMode):
             if (entry is not None and entry.same_tensor(weight) and type(x) in _PLAIN and x.dtype == torch.float32
                     and x.device.type == "cpu" and (bias is None or (bias.dtype == torch.float32 and type(bias) in _PLAIN))):
                 rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-                if 2 <= rows <= self.max_rows:
+                if self.min_rows <= rows <= self.max_rows:
                     self.calls_rerouted += 1
                     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry.packed, bias, "none", [], "")
         return func(*args, **kwargs)
