@@ -34,3 +34,25 @@ def test_suppress_ids_matches_min_new_tokens_on_every_mode():
                 got = model.generate(ids, logits_processor=LogitsProcessorList([bench.SuppressIds(eos)]), **base)
             assert torch.equal(ref, got), mode
             assert got.shape[1] == ids.shape[1] + 12
+
+
+def test_inference_mode_benchmark_runs_both_contexts_with_the_same_tokens(tiny_folder, tmp_path):
+    """benchmarks/inference_mode.py: every mode under no_grad and inference_mode, the same tokens,
+    one ratio per round; bad counts are an argparse error."""
+    import json
+
+    import pytest
+
+    bench = load_benchmark("inference_mode")
+    out = tmp_path / "im.json"
+    assert bench.main(["--model", tiny_folder, "--modes", "exit,lossless", "--new-tokens", "4", "--repeats", "2",
+                       "--backend", "torch-int4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for mode in ("exit", "lossless"):
+        r = report["modes"][mode]
+        assert r["identical_tokens"] is True
+        assert len(r["seconds"]["no_grad"]) == len(r["seconds"]["inference_mode"]) == 2
+        assert r["speedup"]["min"] <= r["speedup"]["median"] <= r["speedup"]["max"]
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--new-tokens", "1", "--out", str(out)])
+    assert e.value.code == 2
