@@ -16,6 +16,9 @@ suppressed), batch 1. Methods (``--methods``, default all that can run here):
   over weights packed once (``river_hf.kernels.PrepackedLinear(min_rows=1)``, a second copy of the
   weights in memory): the plain model on torch's other fp32 kernel, where MKL's one-row product is
   slow (the 2-core AMD EPYC machine), so the speedups can be read against the faster fp32 baseline;
+- ``river-onednn``: River (route mode) with its backbone Linears' calls on that same packed copy (the
+  plain model shares River's backbone tensors; the exit layers keep their quantized kernels): what
+  routing River's one-row backbone products through oneDNN would give, measured before building it;
 - ``llama.cpp``: llama-cpp-python on the very GGUF the fp32 checkpoint was dequantized from
   (``river_hf.models.gguf_file``), ``--threads`` threads, fed the same prompt token ids; only
   when ``llama_cpp`` imports (it builds from its PyPI sdist; not a dependency of river-hf).
@@ -53,7 +56,7 @@ import time
 import torch
 
 METHODS = ("unmodified", "river", "exit", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16", "unmodified-onednn",
-           "llama.cpp")
+           "river-onednn", "llama.cpp")
 
 
 class SuppressIds:
@@ -217,7 +220,7 @@ def main(argv=None) -> int:
                            decode_s=seconds - ttft, decode_steps=len(new) - 1, weight_bytes_per_step=gguf_bytes), new
 
     packed = None
-    if "unmodified-onednn" in methods:
+    if "unmodified-onednn" in methods or "river-onednn" in methods:
         from river_hf.kernels import PrepackedLinear
 
         packed = PrepackedLinear([m for m in plain.modules() if isinstance(m, torch.nn.Linear)],
@@ -233,13 +236,13 @@ def main(argv=None) -> int:
                 m, new = llama_run(ids)
             else:
                 bf16 = method.endswith("-bf16")
-                onednn = method == "unmodified-onednn"
+                onednn = method.endswith("-onednn")
                 base = method.removesuffix("-bf16").removesuffix("-onednn")
                 model = (plain16 if bf16 else plain) if base == "unmodified" else (river16 if bf16 else river)
                 timer = TokenTimer()
                 mode = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(base)
-                kernels = packed if onednn else (model.river_mode(mode) if mode else contextlib.nullcontext())
-                with torch.no_grad(), kernels:
+                with torch.no_grad(), (model.river_mode(mode) if mode else contextlib.nullcontext()), \
+                        (packed if onednn else contextlib.nullcontext()):
                     timer.reset()
                     out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=timer, **gen)
                 new = out[0, ids.shape[1]:].tolist()
