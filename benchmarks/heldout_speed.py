@@ -222,9 +222,15 @@ def main(argv=None) -> int:
     packed = None
     if "unmodified-onednn" in methods or "river-onednn" in methods:
         from river_hf.kernels import PrepackedLinear
+        from river_hf.river.lossless import PACK_MEMORY_SHARE, available_memory_bytes
 
-        packed = PrepackedLinear([m for m in plain.modules() if isinstance(m, torch.nn.Linear)],
-                                 max_rows=max(p.shape[1] for p in prompts) + args.new_tokens, min_rows=1)
+        linears = [m for m in plain.modules() if isinstance(m, torch.nn.Linear)]
+        need, available = sum(m.weight.numel() * m.weight.element_size() for m in linears), available_memory_bytes()
+        if available is None or need > PACK_MEMORY_SHARE * available:  # the library's rule for its verify copy
+            have = "unknown" if available is None else f"{available / 1e9:.1f} GB"
+            ap.error(f"*-onednn: the packed copy of the plain model's Linears needs {need / 1e9:.2f} GB, more than "
+                     f"{PACK_MEMORY_SHARE:.0%} of the memory available ({have}); leave those methods out")
+        packed = PrepackedLinear(linears, max_rows=max(p.shape[1] for p in prompts) + args.new_tokens, min_rows=1)
 
     tokens: dict[str, list[list[int]]] = {}
     stats: dict[str, list[dict]] = {}
@@ -273,6 +279,7 @@ def main(argv=None) -> int:
         "kernel_choice": river.river_config.kernel_choice,
         "kernel_choice_bf16": river16.river_config.kernel_choice if river16 is not None else None,
         "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "gguf": gguf_bytes},
+        "onednn_packed_bytes": packed.packed_bytes if packed is not None else None,
         "llama_cpp_version": _version("llama_cpp_python") if llm is not None else None,
         "protocol": ("river_hf.timing.compare: one untimed warm-up of every method, then "
                      f"{args.repeats} round(s) with the reference next to each method (R A R B ..., reversed every "

@@ -56,3 +56,37 @@ def test_inference_mode_benchmark_runs_both_contexts_with_the_same_tokens(tiny_f
     with pytest.raises(SystemExit) as e:
         bench.main(["--new-tokens", "1", "--out", str(out)])
     assert e.value.code == 2
+
+
+def test_onednn_methods_are_refused_when_the_packed_copy_would_not_fit(tiny_folder, tmp_path, monkeypatch, capsys):
+    """unmodified-onednn / river-onednn pack a second copy of the plain model's weights: the library's
+    memory rule (at most PACK_MEMORY_SHARE of the available memory) refuses it with one argparse error,
+    and nothing is written."""
+    import pytest
+
+    from river_hf.river import lossless
+
+    bench = load_benchmark("heldout_speed")
+    monkeypatch.setattr(lossless, "available_memory_bytes", lambda: 1000)
+    out = tmp_path / "h.json"
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--model", tiny_folder, "--methods", "unmodified,unmodified-onednn", "--prompts", "humaneval:0",
+                    "--new-tokens", "2", "--repeats", "1", "--out", str(out)])
+    assert e.value.code == 2 and "packed copy" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_onednn_methods_run_and_report_their_packed_copy(tiny_folder, tmp_path):
+    """The plain model and River on the packed oneDNN copy are timed like every method, on the same
+    token counts, and the report says how many bytes the copy took. (Their tokens equal the fp32
+    model's only up to summation order, so a random tiny model's near-ties are not asserted.)"""
+    import json
+
+    bench = load_benchmark("heldout_speed")
+    out = tmp_path / "h.json"
+    assert bench.main(["--model", tiny_folder, "--methods", "unmodified,unmodified-onednn,river-onednn",
+                       "--prompts", "humaneval:0", "--new-tokens", "3", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["label"] for r in report["comparison"]["rows"]] == ["unmodified", "unmodified-onednn", "river-onednn"]
+    assert report["onednn_packed_bytes"] > 0
+    assert all(len(t[0]) == 3 for t in report["tokens"].values())

@@ -49,7 +49,7 @@ class SmallBatchLinear(TorchFunctionMode):
     def __init__(self, max_rows: int = DEFAULT_MAX_ROWS):
         super().__init__()
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 2:
-            raise ValueError(f"max_rows must be an int >= 2 (one row is already a fast GEMV), got {max_rows!r}")
+            raise ValueError(f"max_rows must be an int >= 2, got {max_rows!r}")
         self.max_rows = max_rows
         self.calls_rerouted = 0
 
@@ -218,9 +218,10 @@ class PrepackedLinear(TorchFunctionMode):
         rows_hint: the row count oneDNN tunes the packed layout for (default 8).
         min_rows: smallest number of rows that is rerouted: 2 (the default: a verify pass's rows;
             one-row calls stay on ``F.linear``) or 1 (every call up to ``max_rows``: on the 2-core
-            AMD EPYC (Zen 4) machine MKL's one-row fp32 product read 896x4864 weights at 10 GB/s and
-            prepacked oneDNN at 16.5, the LM head at 10.4 and 21 GB/s; on the AMX Xeons the one-row
-            MKL product was the faster one, :meth:`measure` tells).
+            AMD EPYC (Zen 4) machine MKL's one-row fp32 product read 896x4864 weights at 9.4 GB/s and
+            prepacked oneDNN at 15.0, a 896x151936 LM head at 11.5 and 19.8 GB/s; on the AMX Xeon the
+            one-row MKL product was a little faster, 26.1 against 25.2 GB/s: docs/results/verify_linear*.txt;
+            :meth:`measure` tells on the machine at hand).
 
     Inside the mode, ``F.linear(x, W, b)`` with ``x: float32 [..., in]`` on CPU, ``W`` one of the
     packed weights and ``min_rows <= rows <= max_rows`` returns ``float32 [..., out]`` computed by
@@ -238,7 +239,7 @@ class PrepackedLinear(TorchFunctionMode):
         if not onednn_available():
             raise RuntimeError("this torch build has no oneDNN (torch.ops.mkldnn); use F.linear (verify_kernel='torch')")
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 2:
-            raise ValueError(f"max_rows must be an int >= 2 (one row is already a fast GEMV), got {max_rows!r}")
+            raise ValueError(f"max_rows must be an int >= 2, got {max_rows!r}")
         if type(min_rows) is not int or min_rows not in (1, 2):
             raise ValueError(f"min_rows must be 1 (every call) or 2 (multi-row calls only), got {min_rows!r}")
         self.max_rows = max_rows
