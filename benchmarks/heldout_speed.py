@@ -13,8 +13,8 @@ suppressed), batch 1. Methods (``--methods``, default all that can run here):
 - ``unmodified-bf16``, ``river-bf16``, ``exit-bf16``: the same with the backbone loaded in bf16
   (a second load; the exit layers' kernels are chosen for bf16 inputs);
 - ``unmodified-onednn``: the plain fp32 model with every Linear call (one row included) on oneDNN
-  over weights packed once (``river_hf.kernels.PrepackedLinear(min_rows=1)``, a second copy of the
-  weights in memory): the plain model on torch's other fp32 kernel, where MKL's one-row product is
+  over weights packed once (``lossless_bench.plain_onednn_mode``: a view of the copy River's lossless
+  mode packs for its verifies, where it packs one, else a second copy of the weights in memory): the plain model on torch's other fp32 kernel, where MKL's one-row product is
   slow (the 2-core AMD EPYC machine), so the speedups can be read against the faster fp32 baseline;
 - ``river-onednn``: River (route mode) with its backbone Linears' calls on that same packed copy (the
   plain model shares River's backbone tensors; the exit layers keep their quantized kernels): what
@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -80,13 +79,6 @@ def eos_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def gguf_tensor_bytes(path: str) -> int:
-    """Bytes of tensor data in a GGUF file (what a llama.cpp decode step reads at most)."""
-    from gguf import GGUFReader
-
-    return int(sum(t.n_bytes for t in GGUFReader(path).tensors))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -102,11 +94,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from lossless_bench import parse_prompt_sets  # noqa: E402 - the sibling benchmark's prompt-set parser
+    from lossless_bench import parse_prompt_sets, plain_onednn_mode  # noqa: E402 - the sibling benchmark's helpers
+    from llama_cpp_run import LlamaCppRunner, available  # noqa: E402 - the sibling llama.cpp runner
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    has_llama = importlib.util.find_spec("llama_cpp") is not None
+    has_llama = available()
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else [
         m for m in METHODS if m != "llama.cpp" or has_llama]
     unknown = [m for m in methods if m not in METHODS]
@@ -189,48 +182,17 @@ def main(argv=None) -> int:
     if plain16 is not None:
         full_bytes[torch.bfloat16] = linear_weight_bytes(plain16)
 
-    llm = gguf_bytes = None
+    llm = None
     if "llama.cpp" in methods:
-        from llama_cpp import Llama
+        llm = LlamaCppRunner(path, n_ctx=max(p.shape[1] for p in prompts) + args.new_tokens + 8,
+                             threads=torch.get_num_threads(), eos=eos, new_tokens=args.new_tokens)
 
-        gguf_bytes = gguf_tensor_bytes(path)
-        n_ctx = max(p.shape[1] for p in prompts) + args.new_tokens + 8
-        llm = Llama(model_path=path, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
-                    n_ctx=n_ctx, n_batch=512, verbose=False, seed=0)
-
-    def llama_run(ids) -> tuple[Measurement, list[int]]:
-        import numpy as np
-
-        def suppress(_ids, scores):
-            scores[eos] = -np.inf
-            return scores
-
-        llm.reset()  # no prefix reuse between runs: every run pays its prompt, as the others do
-        new, ttft = [], 0.0
-        start = time.perf_counter()
-        for token in llm.generate(ids[0].tolist(), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                  reset=True, logits_processor=[suppress]):
-            if not new:
-                ttft = time.perf_counter() - start
-            new.append(int(token))
-            if len(new) == args.new_tokens:
-                break
-        seconds = time.perf_counter() - start
-        return Measurement(new_tokens=len(new), seconds=seconds, ttft_s=ttft, decode_tokens=len(new) - 1,
-                           decode_s=seconds - ttft, decode_steps=len(new) - 1, weight_bytes_per_step=gguf_bytes), new
-
-    packed = None
+    packed = packed_note = None
     if "unmodified-onednn" in methods or "river-onednn" in methods:
-        from river_hf.kernels import PrepackedLinear
-        from river_hf.river.lossless import PACK_MEMORY_SHARE, available_memory_bytes
-
-        linears = [m for m in plain.modules() if isinstance(m, torch.nn.Linear)]
-        need, available = sum(m.weight.numel() * m.weight.element_size() for m in linears), available_memory_bytes()
-        if available is None or need > PACK_MEMORY_SHARE * available:  # the library's rule for its verify copy
-            have = "unknown" if available is None else f"{available / 1e9:.1f} GB"
-            ap.error(f"*-onednn: the packed copy of the plain model's Linears needs {need / 1e9:.2f} GB, more than "
-                     f"{PACK_MEMORY_SHARE:.0%} of the memory available ({have}); leave those methods out")
-        packed = PrepackedLinear(linears, max_rows=max(p.shape[1] for p in prompts) + args.new_tokens, min_rows=1)
+        try:  # lossless mode's verify copy where it packed one (no second copy), else a new one
+            packed, packed_note = plain_onednn_mode(river, plain, max(p.shape[1] for p in prompts) + args.new_tokens)
+        except ValueError as e:
+            ap.error(f"*-onednn: {e}; leave those methods out")
 
     tokens: dict[str, list[list[int]]] = {}
     stats: dict[str, list[dict]] = {}
@@ -239,7 +201,7 @@ def main(argv=None) -> int:
         measurements, outs, rows = [], [], []
         for ids in prompts:
             if method == "llama.cpp":
-                m, new = llama_run(ids)
+                m, new = llm.run(ids)
             else:
                 bf16 = method.endswith("-bf16")
                 onednn = method.endswith("-onednn")
@@ -278,9 +240,9 @@ def main(argv=None) -> int:
         "river_config": river.river_config.to_dict(), "overrides": overrides,
         "kernel_choice": river.river_config.kernel_choice,
         "kernel_choice_bf16": river16.river_config.kernel_choice if river16 is not None else None,
-        "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "gguf": gguf_bytes},
-        "onednn_packed_bytes": packed.packed_bytes if packed is not None else None,
-        "llama_cpp_version": _version("llama_cpp_python") if llm is not None else None,
+        "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "gguf": llm.weight_bytes if llm else None},
+        "onednn_packed_bytes": packed.packed_bytes if packed is not None else None, "onednn_copy": packed_note,
+        "llama_cpp_version": llm.version if llm is not None else None,
         "protocol": ("river_hf.timing.compare: one untimed warm-up of every method, then "
                      f"{args.repeats} round(s) with the reference next to each method (R A R B ..., reversed every "
                      "other round); speedups per neighbouring pair, median (min-max); every prompt exactly "
@@ -296,15 +258,6 @@ def main(argv=None) -> int:
     save_figure(_figure(report), base + ".png")
     print(markdown(report))
     return 0
-
-
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
 
 
 def markdown(report: dict) -> str:

@@ -22,7 +22,14 @@ its neighbouring reference run, reported as median (min-max) with a verdict, end
 - ``prompt-lookup``: transformers' prompt lookup decoding on the plain model (``prompt_lookup_num_tokens=10``);
 - ``early-exit``: transformers' ``assistant_early_exit`` on the plain model, at the layer River's
   exit path leaves the backbone most often (measured on the first prompt);
-- ``assisted``: transformers' assisted generation on the plain model with ``--assistant`` drafting.
+- ``assisted``: transformers' assisted generation on the plain model with ``--assistant`` drafting;
+- ``unmodified-onednn``: the plain model with every Linear call, one row included, on prepacked
+  oneDNN (:func:`plain_onednn_mode`: a view of lossless mode's own verify copy, no memory added):
+  the faster fp32 reference where MKL's one-row product is slow (the 2-core AMD EPYC machine), so
+  lossless mode's speedup can be read against both;
+- ``llama.cpp``: llama-cpp-python on the very GGUF the fp32 checkpoint was dequantized from, the same
+  prompt ids and token counts (``llama_cpp_run.LlamaCppRunner``; only when ``llama_cpp`` imports: it
+  builds from its PyPI sdist and is not a river-hf dependency).
 
 The same kernel treatment for every method: every multi-row forward of the main model's
 backbone weights (prefill, verify, a draft model's multi-token catch-up) runs inside the one
@@ -59,7 +66,8 @@ import time
 
 import torch
 
-METHODS = ("unmodified", "lossless", "lossless-exit", "lossless+lookup", "prompt-lookup", "early-exit", "assisted")
+METHODS = ("unmodified", "lossless", "lossless-exit", "lossless+lookup", "prompt-lookup", "early-exit", "assisted",
+           "unmodified-onednn", "llama.cpp")
 #: the RiverConfig fields each named lossless method replaces (``lossless[...]`` gives its own)
 LOSSLESS_SETTINGS = {"lossless": {}, "lossless-exit": {"prompt_lookup_tokens": 0},
                      "lossless+lookup": {"prompt_lookup_tokens": 10, "prompt_lookup_rule": "always"}}
@@ -164,6 +172,40 @@ def multi_row_kernel_hooks(model, mode) -> list:
             model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
 
 
+def plain_onednn_mode(river, plain, max_rows: int):
+    """The ``TorchFunctionMode`` that runs every fp32 Linear call of ``plain`` (one row included, up to
+    ``max_rows`` rows) on prepacked oneDNN, and a note saying which copy it uses.
+
+    Where River's lossless mode packed its backbone for verifies (``river_hf.river.lossless.verify_mode``,
+    which ``plain`` shares tensors with), this is a view of that copy
+    (:meth:`~river_hf.kernels.PrepackedLinear.with_rows`, no memory added); otherwise a new copy of
+    the plain model's Linears, under the library's memory rule (at most ``PACK_MEMORY_SHARE`` of the
+    memory available).
+
+    Raises:
+        ValueError: no copy exists and a new one would not fit (or this torch has no oneDNN)."""
+    from river_hf.kernels import PrepackedLinear, onednn_available
+    from river_hf.river.lossless import PACK_MEMORY_SHARE, available_memory_bytes, verify_mode
+
+    config = river.river_config
+    mode, _ = verify_mode(river, config.verify_kernel, config.max_draft_tokens + 1)
+    if isinstance(mode, PrepackedLinear):
+        return mode.with_rows(min_rows=1, max_rows=max_rows), "lossless mode's verify copy, shared"
+    if not onednn_available():
+        raise ValueError("this torch build has no oneDNN")
+    linears = [m for m in plain.modules() if isinstance(m, torch.nn.Linear)]
+    need, available = sum(m.weight.numel() * m.weight.element_size() for m in linears), available_memory_bytes()
+    if available is None or need > PACK_MEMORY_SHARE * available:
+        have = "unknown" if available is None else f"{available / 1e9:.1f} GB"
+        raise ValueError(f"the packed copy of the plain model's Linears needs {need / 1e9:.2f} GB, more than "
+                         f"{PACK_MEMORY_SHARE:.0%} of the memory available ({have})")
+    return PrepackedLinear(linears, max_rows=max_rows, min_rows=1), "its own copy"
+
+
+def _as_list(value) -> list:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
 def parse_problems(text: str) -> list[int]:
     """``"100-102"`` or ``"0,5,7"`` or ``"3-5,9"`` -> HumanEval indices."""
     out: list[int] = []
@@ -196,13 +238,17 @@ def main(argv=None) -> int:
     from river_hf import RiverForCausalLM, plain_model
     from river_hf.eval.common import atomic_write, humaneval_problems, save_figure, write_json
     from river_hf.eval.data import gsm8k_prompt, humaneval_prompt, load_gsm8k
-    from river_hf.models import encode_prompt, resolve
+    from river_hf.models import encode_prompt, gguf_file, is_key, resolve
     from river_hf.quant import linear_weight_bytes
     from river_hf.river.arch import decoder_stack
     from river_hf.river.lossless import verify_mode
     from river_hf.timing import TokenTimer, compare
 
-    methods = split_methods(args.methods) if args.methods else [m for m in METHODS if m != "assisted" or args.assistant]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from llama_cpp_run import LlamaCppRunner, available  # noqa: E402 - the sibling llama.cpp runner
+
+    methods = split_methods(args.methods) if args.methods else [
+        m for m in METHODS if (m != "assisted" or args.assistant) and (m != "llama.cpp" or available())]
     try:
         variants = {m: lossless_settings(m) for m in methods}
     except ValueError as e:
@@ -212,11 +258,17 @@ def main(argv=None) -> int:
         ap.error(f"--methods: unknown {sorted(unknown)}" if unknown else "--methods must include unmodified")
     if "assisted" in methods and not args.assistant:
         ap.error("the assisted method needs --assistant KEY")
+    if "llama.cpp" in methods and not available():
+        ap.error("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python builds it from source)")
+    if "llama.cpp" in methods and not is_key(args.model):
+        ap.error("llama.cpp needs a model key (its GGUF): " + args.model)
     if args.new_tokens < 2 or args.repeats < 1:
         ap.error("--new-tokens must be >= 2 and --repeats >= 1")
 
     t0 = time.time()
     torch.manual_seed(0)
+    # the GGUF first: a key's conversion then reads this copy instead of downloading it again
+    path = gguf_file(args.model, progress=True) if "llama.cpp" in methods else None
     river = RiverForCausalLM.from_pretrained(args.model, tau=args.tau, dtype=torch.float32, progress=False)
     plain = plain_model(river)
     tok = AutoTokenizer.from_pretrained(resolve(args.model, progress=False))
@@ -258,6 +310,17 @@ def main(argv=None) -> int:
     config = river.river_config
     kernel, kernel_info = verify_mode(river, config.verify_kernel, config.max_draft_tokens + 1)
     baseline_kernel = kernel if args.baseline_verify_kernel == "same" else None
+    onednn = onednn_note = None
+    if "unmodified-onednn" in methods:
+        try:
+            onednn, onednn_note = plain_onednn_mode(river, plain, max(p.shape[1] for p in prompts) + args.new_tokens)
+        except ValueError as e:
+            ap.error(f"unmodified-onednn: {e}; leave it out")
+    llm = None
+    if "llama.cpp" in methods:
+        eos = {tok.eos_token_id} | set(_as_list(river.generation_config.eos_token_id))
+        llm = LlamaCppRunner(path, n_ctx=max(p.shape[1] for p in prompts) + args.new_tokens + 8,
+                             threads=torch.get_num_threads(), eos=eos - {None}, new_tokens=args.new_tokens)
 
     tokens: dict[str, list[list[int]]] = {}
     last: dict[str, list[dict]] = {}
@@ -267,10 +330,18 @@ def main(argv=None) -> int:
         measurements, stats_rows, outs = [], [], []
         for ids in prompts:
             record = {"verifies": 0, "rounds": 0, "drafted": 0, "accepted": 0}
-            extra, handles, model = {}, [], plain
+            extra, handles, model, mode = {}, [], plain, contextlib.nullcontext()
+            if method == "llama.cpp":
+                m, new = llm.run(ids)
+                measurements.append(m)
+                stats_rows.append({"verifies": 0, "drafted": 0, "accepted": 0, "rounds": 0})
+                outs.append(new)
+                continue
             if variants[method] is not None:
-                model = river
+                model, mode = river, river.river_mode("lossless")
                 river.river_config = dataclasses.replace(config, **variants[method])
+            elif method == "unmodified-onednn":
+                mode = onednn
             elif method != "unmodified":
                 extra = {"prompt-lookup": {"prompt_lookup_num_tokens": 10},
                          "early-exit": {"assistant_early_exit": early_exit_layer},
@@ -281,7 +352,7 @@ def main(argv=None) -> int:
                     handles = multi_row_kernel_hooks(plain, baseline_kernel)
             timer = TokenTimer()
             try:
-                with torch.no_grad(), (river.river_mode("lossless") if model is river else contextlib.nullcontext()):
+                with torch.no_grad(), mode:
                     timer.reset()
                     out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=timer, **gen, **extra)
             finally:
@@ -301,7 +372,7 @@ def main(argv=None) -> int:
                                           "backbone_step_seconds", "draft_path", "draft_vocab")}
                 row["verifies"] = ll["rounds"] + ll["lookup_rounds"]
                 bytes_total = river.river_stats["weight_bytes_per_token"] * m.decode_tokens
-            elif method == "unmodified":
+            elif method in ("unmodified", "unmodified-onednn"):
                 bytes_total = full_bytes * m.decode_steps
             else:
                 draft_bytes = {"prompt-lookup": 0, "early-exit": sum(layer_bytes[:early_exit_layer]) + head_bytes,
@@ -344,6 +415,8 @@ def main(argv=None) -> int:
         "new_tokens": args.new_tokens, "greedy": True, "eos_suppressed": True, "num_layers": len(layers),
         "river_config": config.to_dict(), "early_exit_layer": early_exit_layer,
         "verify_kernel": kernel_info, "baseline_verify_kernel": "same as River's" if baseline_kernel else "torch",
+        "onednn_copy": onednn_note, "llama_cpp_version": llm.version if llm is not None else None,
+        "gguf_weight_bytes": llm.weight_bytes if llm is not None else None,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "full_weight_bytes": full_bytes,
         "protocol": ("river_hf.timing.compare: one untimed warm-up of every method, then "
                      f"{args.repeats} rounds with the reference next to each method (R A R B ..., reversed every "
@@ -374,7 +447,11 @@ def markdown(report: dict) -> str:
              f"exactly {report['new_tokens']} new tokens each (EOS suppressed); reference: {comp['reference_kind']}; "
              f"verify kernel {kinfo['kernel']} ({kinfo['why']}; baselines: {report['baseline_verify_kernel']}); "
              f"early exit at layer {report['early_exit_layer']} of {report['num_layers']}; {report['protocol']}; "
-             f"{report['threads']} threads; STREAM triad {triad or float('nan'):.1f} GB/s.", ""]
+             f"{report['threads']} threads; STREAM triad {triad or float('nan'):.1f} GB/s."
+             + (f" unmodified-onednn: every Linear call on prepacked oneDNN ({report['onednn_copy']})."
+                if report.get("onednn_copy") else "")
+             + (f" llama.cpp: llama-cpp-python {report['llama_cpp_version']} on the same GGUF."
+                if report.get("llama_cpp_version") else ""), ""]
 
     def acceptance(r):
         s = report["summary"][r["label"]]

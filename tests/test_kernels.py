@@ -167,3 +167,33 @@ def test_prepacked_min_rows_one_reroutes_one_row_calls_and_bad_values_are_refuse
     for bad in (0, 3, True, 1.0):
         with pytest.raises(ValueError, match="min_rows"):
             PrepackedLinear([lin], min_rows=bad)
+
+
+def test_prepacked_with_rows_shares_the_packed_copies_and_changes_only_the_row_bounds():
+    """with_rows: a second mode over the same packed tensors (no memory added) that reroutes the
+    row counts it is given; the original keeps its own bounds; bad bounds are refused."""
+    from river_hf.kernels import PrepackedLinear, onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 80)
+    verify = PrepackedLinear([lin], max_rows=4)  # min_rows 2: one-row calls stay on F.linear
+    wide = verify.with_rows(min_rows=1, max_rows=64)
+    assert (wide.min_rows, wide.max_rows, verify.min_rows, verify.max_rows) == (1, 64, 2, 4)
+    assert wide.packed_bytes == verify.packed_bytes > 0
+    assert all(wide._packed[k].packed is verify._packed[k].packed for k in verify._packed)  # the same tensors
+    for rows in (1, 3, 20):
+        x = torch.randn(rows, 48)
+        ref = F.linear(x, lin.weight, lin.bias)
+        for mode in (verify, wide):
+            before = mode.calls_rerouted
+            with torch.no_grad(), mode:
+                out = lin(x)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            expected = mode.min_rows <= rows <= mode.max_rows
+            assert mode.calls_rerouted - before == int(expected)
+    with pytest.raises(ValueError, match="min_rows"):
+        verify.with_rows(min_rows=0)
+    with pytest.raises(ValueError, match="max_rows"):
+        verify.with_rows(max_rows=1)

@@ -95,3 +95,26 @@ def test_linear_kernels_bench_times_through_the_tuner(tmp_path, monkeypatch):
     assert row["fp32_us"] == 10.0 and set(row["kernels_us"]) == set(calls[0][0][1:]) == set(row["relative_error"])
     assert all(0 < e < 0.2 for e in row["relative_error"].values())
     assert "alternating rounds" in report["protocol"] and "--shapes 256x512" in report["command"]
+
+
+def test_plain_model_on_onednn_and_llama_cpp_methods(tiny_folder, tmp_path, capsys):
+    """unmodified-onednn is timed like every method on the same token counts, on a copy the report
+    names (lossless mode's own, shared, where it packed one); llama.cpp is refused with one argparse
+    error when it cannot run (not installed, or a folder without a GGUF key), and nothing is written."""
+    import json
+
+    bench = _bench()
+    out = tmp_path / "l.json"
+    assert bench.main(["--model", tiny_folder, "--methods", "unmodified,lossless,unmodified-onednn",
+                       "--prompts", "humaneval:0", "--new-tokens", "3", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["label"] for r in report["comparison"]["rows"]] == ["unmodified", "lossless", "unmodified-onednn"]
+    assert report["onednn_copy"] in ("lossless mode's verify copy, shared", "its own copy")
+    assert all(len(t[0]) == 3 for t in report["tokens"].values())
+    assert report["summary"]["lossless"]["identical_completions"] == 1
+    assert "unmodified-onednn: every Linear call on prepacked oneDNN" in out.with_suffix(".md").read_text()
+    bad = tmp_path / "bad.json"
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--model", tiny_folder, "--methods", "unmodified,llama.cpp", "--prompts", "humaneval:0",
+                    "--new-tokens", "3", "--repeats", "1", "--out", str(bad)])
+    assert e.value.code == 2 and "llama.cpp" in capsys.readouterr().err and not bad.exists()

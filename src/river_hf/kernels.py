@@ -192,6 +192,14 @@ def _packable(linear) -> bool:
             and w.dim() == 2)
 
 
+def _check_rows(min_rows, max_rows) -> None:
+    """:class:`PrepackedLinear`'s row bounds, or ValueError."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 2:
+        raise ValueError(f"max_rows must be an int >= 2, got {max_rows!r}")
+    if type(min_rows) is not int or min_rows not in (1, 2):
+        raise ValueError(f"min_rows must be 1 (every call) or 2 (multi-row calls only), got {min_rows!r}")
+
+
 class PrepackedLinear(TorchFunctionMode):
     """Compute fp32 CPU ``F.linear`` calls of 2..``max_rows`` rows with oneDNN on weights packed
     once, ahead of time, in its own blocked layout.
@@ -238,10 +246,7 @@ class PrepackedLinear(TorchFunctionMode):
         super().__init__()
         if not onednn_available():
             raise RuntimeError("this torch build has no oneDNN (torch.ops.mkldnn); use F.linear (verify_kernel='torch')")
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 2:
-            raise ValueError(f"max_rows must be an int >= 2, got {max_rows!r}")
-        if type(min_rows) is not int or min_rows not in (1, 2):
-            raise ValueError(f"min_rows must be 1 (every call) or 2 (multi-row calls only), got {min_rows!r}")
+        _check_rows(min_rows, max_rows)
         self.max_rows = max_rows
         self.min_rows = min_rows
         self.rows_hint = rows_hint
@@ -271,6 +276,30 @@ class PrepackedLinear(TorchFunctionMode):
         self._packed = packed
         self.repacked += count
         return count
+
+    def with_rows(self, *, min_rows: int | None = None, max_rows: int | None = None) -> "PrepackedLinear":
+        """Another mode over these same packed copies (no memory added, nothing repacked) that
+        reroutes calls of ``min_rows..max_rows`` rows (each defaults to this mode's).
+
+        For example, River's lossless verify mode (``min_rows=2``, a verify pass's rows) viewed with
+        ``min_rows=1, max_rows=4096`` runs the plain model's decode steps and prompt passes on the
+        copy lossless mode already holds, where a second :class:`PrepackedLinear` would double the
+        memory (6 GB more on a 1.5B fp32 model). The view keeps the copies as they are now: it
+        does not :meth:`refresh`; a weight changed afterwards goes to ``F.linear`` (exact), as in
+        this mode until its own refresh.
+
+        Raises:
+            ValueError: the bounds are invalid (as for the constructor).
+        """
+        min_rows = self.min_rows if min_rows is None else min_rows
+        max_rows = self.max_rows if max_rows is None else max_rows
+        _check_rows(min_rows, max_rows)
+        view = PrepackedLinear.__new__(PrepackedLinear)
+        TorchFunctionMode.__init__(view)
+        view.min_rows, view.max_rows, view.rows_hint = min_rows, max_rows, self.rows_hint
+        view._linears, view._packed = list(self._linears), dict(self._packed)
+        view.calls_rerouted = view.repacked = 0
+        return view
 
     @property
     def packed_bytes(self) -> int:
