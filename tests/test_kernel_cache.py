@@ -322,3 +322,20 @@ def test_cli_list_and_remeasure_exclude_each_other(cache, capsys):
         main(["kernels", "--list", "--remeasure"])
     assert e.value.code == 2 and "not allowed" in capsys.readouterr().err
 
+
+
+def test_a_first_build_says_which_shapes_it_is_timing_and_a_cached_one_is_silent(cache, monkeypatch, capsys):
+    """With the progress bar on, each shape the tuner measures gets one stderr line (a first build on a
+    machine sits there for seconds per shape); a second build reads the cache and prints none; a build
+    without progress prints none either, and the tuner keeps no callback afterwards."""
+    script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    enable_river(tiny_llama(), tau=0.9, backend="int4", progress=True)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("[river-hf] timing the exit kernels")]
+    assert lines and all("once per machine, cached in" in line and str(cache) in line for line in lines)
+    assert any("not cached" in line for line in lines)
+    enable_river(tiny_llama(), tau=0.9, backend="int4", progress=True)
+    assert "[river-hf] timing" not in capsys.readouterr().err
+    tuner = KernelTuner(cache.parent / "other.json")
+    enable_river(tiny_llama(), tau=0.9, backend="int4", progress=False, tuner=tuner)
+    assert "[river-hf] timing" not in capsys.readouterr().err and tuner.measured > 0 and tuner.on_measure is None

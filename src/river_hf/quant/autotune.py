@@ -307,6 +307,8 @@ class KernelTuner:
 
     Attributes:
         measured: how many shapes were measured (not found in the cache) by this tuner.
+        on_measure: None, or a callable ``(shape, dtype name, why)`` run before each shape is
+            measured (River's build prints a line with it when its progress bar is on).
         remeasured: ``{key: why}`` for the cached entries this tuner did not trust and measured again.
         invalid: ``{key: why}`` for the entries of the file that were dropped when it was read.
     """
@@ -322,6 +324,7 @@ class KernelTuner:
         self.stream_bytes = stream_bytes or min(2 * last_level_cache_bytes(), 1 << 30)
         self.max_copies = max_copies
         self.measured = 0
+        self.on_measure = None  # called with (shape, dtype name, why) before a shape is measured
         self.remeasured: dict[str, str] = {}
         self.invalid: dict[str, str] = {}
         self._choices: dict[str, dict] = {}
@@ -351,6 +354,8 @@ class KernelTuner:
         if why is not None:
             if entry is not None:
                 self.remeasured[key] = why
+            if self.on_measure is not None:
+                self.on_measure(spec.shape, spec.dtype_name, why)
             entry = self.measure_entry(candidates, spec)
             self._choices[key] = entry
             self.measured += 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import threading
 import time
 
@@ -105,8 +106,15 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
     report: list[dict] = []
     start = time.perf_counter()
     plan = KernelPlan(tuner or None, config.kernel_choice)  # a saved folder's kernels first, then measured
-    backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, plan, report, progress)
-    head_bytes, exit_head_bytes = _wrap_head(model, router, config, plan, report)
+    announce = progress and plan.tuner is not None and getattr(plan.tuner, "on_measure", False) is None
+    if announce:
+        plan.tuner.on_measure = _announce_measurement(plan.tuner)
+    try:
+        backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, plan, report, progress)
+        head_bytes, exit_head_bytes = _wrap_head(model, router, config, plan, report)
+    finally:
+        if announce:
+            plan.tuner.on_measure = None
     build_seconds = time.perf_counter() - start
     plan.warn_if_differs(stacklevel=stacklevel + 1)
     config = dataclasses.replace(config, kernel_choice=plan.chosen or None)  # saved with the folder
@@ -117,6 +125,18 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
             "river_kernel_report": report,
             "_river_step_bytes": _step_bytes(layers, backbone_bytes, exit_bytes, head_bytes, exit_head_bytes),
             "_river_hooks": hooks, "_river_prints": _fingerprints(model, layers)}
+
+
+def _announce_measurement(tuner):
+    """A KernelTuner ``on_measure`` callback: one line per shape measured (a first build on a machine
+    spends most of its time there, seconds per shape, with the layer bar standing still)."""
+    where = tuner.cache_file if tuner.cache_file is not None else "not kept"
+
+    def say(shape: str, dtype: str, why: str) -> None:
+        tqdm.write(f"[river-hf] timing the exit kernels for {shape} ({dtype}) on this machine: {why}; "
+                   f"once per machine, cached in {where}", file=sys.stderr)
+
+    return say
 
 
 def _step_bytes(layers, backbone_bytes: list[int], exit_bytes: list[int], head_bytes: int,
