@@ -339,3 +339,16 @@ def test_a_first_build_says_which_shapes_it_is_timing_and_a_cached_one_is_silent
     tuner = KernelTuner(cache.parent / "other.json")
     enable_river(tiny_llama(), tau=0.9, backend="int4", progress=False, tuner=tuner)
     assert "[river-hf] timing" not in capsys.readouterr().err and tuner.measured > 0 and tuner.on_measure is None
+
+
+def test_cli_list_of_a_named_file_that_is_missing_or_not_a_cache_is_an_error(cache, tmp_path, capsys):
+    """--file names a file: missing or not a kernels.json is one error line and exit 2 (the default
+    cache may be absent: that lists as empty, exit 0)."""
+    code, out, _ = run_cli(capsys, "--list")
+    assert code == 0 and "no kernel timings cached" in out
+    code, _, err = run_cli(capsys, "--list", "--file", str(tmp_path / "nope" / "k.json"))
+    assert code == 2 and "no such file" in err and err.count("\n") == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    code, _, err = run_cli(capsys, "--list", "--file", str(bad))
+    assert code == 2 and "not a kernels.json" in err

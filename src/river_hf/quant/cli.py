@@ -65,6 +65,13 @@ def _path(args) -> Path:
 def handler(args) -> int:
     path = _path(args)
     if args.remeasure is None:
+        if args.file:  # a file the user named must be there and be a kernels.json (the default may be absent)
+            from .autotune import read_cache
+
+            if not path.is_file():
+                raise RiverError(f"--file {path}: no such file (leave --file out for this machine's cache)")
+            if read_cache(path)[2] is None:
+                raise RiverError(f"--file {path}: not a kernels.json (river-hf's kernel timing cache)")
         return list_cache(path, as_json=args.json)
     if not args.remeasure:
         return drop_all(path, as_json=args.json)
