@@ -156,3 +156,23 @@ def test_answers_without_a_decode_step_are_left_out_not_zero(tiny):
     refs = [reference_continuation(model, encode_prompt(tok, p)["input_ids"], 1)[0] for p in prompts]
     row = free_running_agreement(model, tok, prompts, 0.3, refs, 1)  # one new token: no decode step
     assert row["weight_bytes_per_token"] is None and row["prompts_without_decode_step"] == len(prompts)
+
+
+def test_read_prompts_says_which_line_is_broken_json_and_which_lacks_a_prompt(tmp_path):
+    import pytest
+
+    from river_hf.errors import RiverError
+    from river_hf.eval.calibrate import read_prompts
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('plain text prompt\n{"prompt": "a JSON prompt"}\n\n')
+    assert read_prompts(str(good)) == ["plain text prompt", "a JSON prompt"]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('ok\n{"prompt": "unterminated\n')
+    with pytest.raises(RiverError, match="line 2: starts with '{' but is not valid JSON"):
+        read_prompts(str(broken))
+    for text in ('{"text": "x"}', '{"prompt": 3}'):
+        wrong = tmp_path / "wrong.jsonl"
+        wrong.write_text(text + "\n")
+        with pytest.raises(RiverError, match="line 1: a JSON line needs a string 'prompt' field"):
+            read_prompts(str(wrong))

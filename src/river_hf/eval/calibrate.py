@@ -97,7 +97,8 @@ def read_prompts(path: str | None) -> list[str]:
     :data:`DEFAULT_PROMPTS`.
 
     Raises:
-        RiverError: the file is missing, empty, or a JSON line lacks ``prompt``.
+        RiverError: the file is missing, empty, a line starting with ``{`` is not valid JSON, or a
+            JSON line lacks a string ``prompt``.
     """
     if path is None:
         return list(DEFAULT_PROMPTS)
@@ -111,9 +112,13 @@ def read_prompts(path: str | None) -> list[str]:
             continue
         if line.startswith("{"):
             try:
-                line = json.loads(line)["prompt"]
-            except (ValueError, KeyError, TypeError):
-                raise RiverError(f"--prompts {path}, line {n}: a JSON line needs a string 'prompt' field") from None
+                item = json.loads(line)
+            except ValueError as e:
+                raise RiverError(f"--prompts {path}, line {n}: starts with '{{' but is not valid JSON ({e.msg}, "
+                                 f"column {e.colno}); fix it, or write the prompt as plain text") from None
+            line = item.get("prompt") if isinstance(item, dict) else None
+            if not isinstance(line, str):
+                raise RiverError(f"--prompts {path}, line {n}: a JSON line needs a string 'prompt' field")
         prompts.append(str(line))
     if not prompts:
         raise RiverError(f"--prompts {path} holds no prompts")
