@@ -178,13 +178,13 @@ def plain_onednn_mode(river, plain, max_rows: int):
 
     Where River's lossless mode packed its backbone for verifies (``river_hf.river.lossless.verify_mode``,
     which ``plain`` shares tensors with), this is a view of that copy
-    (:meth:`~river_hf.kernels.PrepackedLinear.with_rows`, no memory added); otherwise a new copy of
+    (:meth:`~river_hf.quant.dense.PrepackedLinear.with_rows`, no memory added); otherwise a new copy of
     the plain model's Linears, under the library's memory rule (at most ``PACK_MEMORY_SHARE`` of the
     memory available).
 
     Raises:
         ValueError: no copy exists and a new one would not fit (or this torch has no oneDNN)."""
-    from river_hf.kernels import PrepackedLinear, onednn_available
+    from river_hf.quant.dense import PrepackedLinear, onednn_available
     from river_hf.river.lossless import PACK_MEMORY_SHARE, available_memory_bytes, verify_mode
 
     config = river.river_config

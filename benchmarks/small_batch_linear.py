@@ -1,5 +1,5 @@
 """Time a few-token forward on top of a cached prefix (R-Stitch's catch-up, assisted generation's
-verify step) with torch's stock Linear kernels and inside ``river_hf.kernels.SmallBatchLinear``.
+verify step) with torch's stock Linear kernels and inside ``river_hf.quant.dense.SmallBatchLinear``.
 
     PYTHONPATH=src python benchmarks/small_batch_linear.py [--models qwen2.5-coder-0.5b,qwen2.5-coder-1.5b] \
         [--chunks 1,2,3,4,8,16,32,64,128] [--cache-length 150] [--out docs/results/small_batch_linear_cpu]
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import DynamicCache
 
-    from river_hf.kernels import SmallBatchLinear
+    from river_hf.quant.dense import SmallBatchLinear
     from river_hf.models import load
 
     results = {"command": "PYTHONPATH=src python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -24,7 +24,7 @@ Latency estimator (R-Stitch Sec. 3): calibrated on random tokens at the start (o
 LLM-only / SLM-only as one prefill + decode steps, R-Stitch from its forward log. Assisted
 generation has no prediction (its verify/draft pattern is not what the estimator models).
 
-Kernels: on CPU in fp32, ``river_hf.kernels.SmallBatchLinear`` computes products of 2-64 rows in
+Kernels: on CPU in fp32, ``river_hf.quant.dense.SmallBatchLinear`` computes products of 2-64 rows in
 the faster GEMM orientation. R-Stitch uses it for its catch-up forwards (``generate``'s default);
 assisted generation runs inside it as a whole (its verify forwards are the same kind of few-token
 forward), and so does the estimator's calibration. LLM-only and SLM-only run plain (one-token steps
@@ -217,7 +217,7 @@ def write_outputs(args, records, methods, estimator_path, started, finished: boo
         f"SLM `{args.slm}`, LLM `{args.llm}`, fp32, CPU, greedy, max {args.max_new_tokens} new tokens, "
         "HumanEval completion prompts with the usual stop strings; "
         + ("torch's stock Linear kernels" if args.stock_linear else
-           "R-Stitch catch-ups and assisted generation inside `river_hf.kernels.SmallBatchLinear` "
+           "R-Stitch catch-ups and assisted generation inside `river_hf.quant.dense.SmallBatchLinear` "
            "(2-64-row fp32 products rerouted)")
         + ". Updated " + doc["updated"] + ".",
         "",
@@ -376,7 +376,7 @@ def main(argv=None) -> int:
                     help="recompute predicted latencies of an existing results JSON with this estimator; no generation")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--stock-linear", action="store_true",
-                    help="do not route small-batch fp32 CPU products through river_hf.kernels.SmallBatchLinear "
+                    help="do not route small-batch fp32 CPU products through river_hf.quant.dense.SmallBatchLinear "
                          "(neither for R-Stitch's catch-ups nor for the other methods)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed rounds per problem, alternating order (>= 3, default 3)")
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
     from transformers import StoppingCriteriaList
 
-    from river_hf.kernels import SmallBatchLinear
+    from river_hf.quant.dense import SmallBatchLinear
     from river_hf.models import load
     from river_hf.stitch import LatencyEstimator, generate
 

@@ -1,5 +1,5 @@
 """fp32 CPU Linear on a few rows (a verify pass of k + 1 tokens): torch's F.linear against oneDNN on
-prepacked weights (river_hf.kernels.PrepackedLinear.measure: weights streamed from memory, the two
+prepacked weights (river_hf.quant.dense.PrepackedLinear.measure: weights streamed from memory, the two
 alternating round by round, median µs per call), with the weight bandwidth each reaches.
 
     python benchmarks/verify_linear.py [--in 896 --out 4864] [--rows 1,2,4,8,16]
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from river_hf.kernels import PrepackedLinear
+from river_hf.quant.dense import PrepackedLinear
 
 
 def main(argv=None) -> int:

@@ -170,12 +170,12 @@ def test_small_batch_linear_option(models, layout):
         DLLMCacheConfig(small_batch_linear="yes")
 
 
-def test_small_batch_linear_auto_decides_by_measurement(models, monkeypatch):
+def test_small_batch_linear_auto_decides_by_measurement(models, monkeypatch, tmp_path):
     """"auto": the faster orientation of the measurement at the V-verify row count is used, measured once
-    per shape; off (nothing measured) for non-fp32 weights, row counts the mode never reroutes, or
-    RIVER_HF_AUTOTUNE=0."""
+    per shape and row count through the one kernel tuner (kept in its kernels.json); off (nothing
+    measured) for non-fp32 weights, row counts the mode never reroutes, or RIVER_HF_AUTOTUNE=0."""
     from river_hf.diffusion import cache as cache_mod
-    from river_hf.kernels import SmallBatchLinear
+    from river_hf.quant.dense import SmallBatchLinear
 
     model = models["llada"]
     layers = list(model.model.transformer["blocks"])
@@ -188,14 +188,18 @@ def test_small_batch_linear_auto_decides_by_measurement(models, monkeypatch):
             return {"torch": 2.0, "small-batch": 1.0} if winner == "small-batch" else {"torch": 1.0, "small-batch": 2.0}
         return measure
 
+    from river_hf.quant.autotune import read_cache
+
     monkeypatch.setenv("RIVER_HF_AUTOTUNE", "1")
-    monkeypatch.setattr(cache_mod, "_MEASURED", {})
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "first"))
     monkeypatch.setattr(SmallBatchLinear, "measure", staticmethod(fake("small-batch")))
     used, timing = cache_mod.choose_partial_kernel(layers, auto, 4)
     biggest = max((m for m in layers[0].modules() if isinstance(m, torch.nn.Linear)), key=lambda m: m.weight.numel())
     assert used and timing["rows"] == 4 and timing["shape"] == [biggest.in_features, biggest.out_features]
-    assert cache_mod.choose_partial_kernel(layers, auto, 4)[0] and len(calls) == 1  # remembered
-    monkeypatch.setattr(cache_mod, "_MEASURED", {})
+    assert cache_mod.choose_partial_kernel(layers, auto, 4)[0] and len(calls) == 1  # remembered (in kernels.json)
+    (entry,) = read_cache(tmp_path / "first" / "kernels.json")[0].values()
+    assert entry["rows"] == 4 and entry["kernel"] == "small-batch" and entry["candidates"] == ["small-batch", "torch"]
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "second"))  # a machine that never measured it
     monkeypatch.setattr(SmallBatchLinear, "measure", staticmethod(fake("torch")))
     used, timing = cache_mod.choose_partial_kernel(layers, auto, 4)
     assert not used and timing["us_per_call"] == {"torch": 1.0, "small-batch": 2.0}

@@ -352,3 +352,52 @@ def test_cli_list_of_a_named_file_that_is_missing_or_not_a_cache_is_an_error(cac
     bad.write_text("{not json")
     code, _, err = run_cli(capsys, "--list", "--file", str(bad))
     assert code == 2 and "not a kernels.json" in err
+
+
+def test_alternating_medians_warms_up_untimed_and_reverses_the_order_every_other_round(monkeypatch):
+    order = []
+    ticks = iter(range(100))
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: float(next(ticks)))  # each run takes 1 s
+
+    medians = autotune.alternating_medians({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                                           rounds=4, calls={"a": 2, "b": 1})
+    assert order == ["b", "a", "a", "b", "b", "a", "a", "b", "b", "a"]  # an untimed warm-up round, then alternating
+    assert medians == {"a": 0.5e6, "b": 1e6}  # µs per kernel call: a run of "a" makes 2 calls
+
+
+def test_dense_mode_choices_share_the_exit_kernels_cache_file(cache, monkeypatch, capsys):
+    """Lossless verify and dLLM-Cache's partial steps ask the same tuner: one kernels.json, one entry
+    per shape and row count beside the one-row exit-kernel entries, trusted by the same rules,
+    listed and re-measured by ``river-hf kernels``."""
+    from river_hf.quant import dense
+
+    script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    KernelTuner().choose(INT4, nn.Linear(128, 64))
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return {"torch": 5.0, "onednn": 2.0}
+
+    spec = autotune.LinearSpec(128, 64, False)
+    assert KernelTuner().choose_mode(spec, 8, ("torch", "onednn"), measure) == ("onednn", {"torch": 5.0, "onednn": 2.0})
+    assert KernelTuner().choose_mode(spec, 8, ("torch", "onednn"), measure)[0] == "onednn" and len(measured) == 1
+    KernelTuner().choose_mode(spec, 4, ("torch", "onednn"), measure)  # another row count: its own entry
+    entries = read_cache(cache)[0]
+    assert sorted(e.get("rows", 1) for e in entries.values()) == [1, 4, 8] and len(measured) == 2
+    with pytest.raises(ValueError, match="rows must be >= 2"):
+        KernelTuner().choose_mode(spec, 1, ("torch", "onednn"), measure)
+    with pytest.raises(ValueError, match="not dense modes"):
+        KernelTuner().choose_mode(spec, 8, ("torch-int4",), measure)
+    # an entry whose timings name weight-only kernels at rows > 1 is not trusted
+    key = next(k for k, e in entries.items() if e.get("rows") == 8)
+    bad = dict(entries[key], timings_us={"torch-int4": 1.0, "onednn": 2.0}, candidates=["onednn", "torch-int4"])
+    assert "unknown kernel" in autotune._entry_problem(key, bad)
+
+    code, out, _ = run_cli(capsys)
+    assert code == 0 and "128x64 x8 rows" in out and "onednn 2.0" in out
+    monkeypatch.setattr(dense, "measure_modes", lambda names, i, o, rows, **kw: {"torch": 1.0, "onednn": 3.0})
+    code, out, _ = run_cli(capsys, "--remeasure", "128x64")
+    assert code == 0 and "128x64 x8 rows float32 no bias: torch" in out
+    by_rows = {e.get("rows", 1): e for e in read_cache(cache)[0].values()}
+    assert by_rows[8]["kernel"] == "torch" and by_rows[4]["kernel"] == "torch" and by_rows[1]["kernel"] == "torch-int4"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from river_hf.kernels import SmallBatchLinear
+from river_hf.quant.dense import SmallBatchLinear
 
 
 @pytest.mark.parametrize("shape", [(2, 48), (1, 3, 48), (2, 4, 48), (64, 48)])
@@ -125,7 +125,7 @@ def test_mixed_dtype_bias_is_left_to_f_linear_and_grad_flows():
 
 
 def test_small_batch_linear_measure_times_both_orientations():
-    from river_hf.kernels import SmallBatchLinear
+    from river_hf.quant.dense import SmallBatchLinear
 
     timing = SmallBatchLinear.measure(64, 96, 8, stream_bytes=1 << 20, rounds=2)
     assert set(timing) == {"torch", "small-batch"} and all(v > 0 for v in timing.values())
@@ -134,7 +134,7 @@ def test_small_batch_linear_measure_times_both_orientations():
 def test_weight_fingerprint_samples_inside_any_weight():
     """The sampled positions must lie inside the weight for every size; a float32 linspace put the
     last one past the end of Qwen2.5-0.5B's 151936x896 LM head (136,134,656 elements)."""
-    from river_hf.kernels import WeightFingerprint
+    from river_hf.quant.dense import WeightFingerprint
 
     for n in (1, 2, 255, 256, 257, 16_777_219, 136_134_656):
         w = torch.zeros(n, dtype=torch.uint8)
@@ -150,7 +150,7 @@ def test_weight_fingerprint_samples_inside_any_weight():
 def test_prepacked_min_rows_one_reroutes_one_row_calls_and_bad_values_are_refused():
     """PrepackedLinear(min_rows=1) also takes one-row products (the plain model's decode steps) onto the
     packed oneDNN copy, equal to F.linear up to summation order; the default keeps them on F.linear."""
-    from river_hf.kernels import PrepackedLinear, onednn_available
+    from river_hf.quant.dense import PrepackedLinear, onednn_available
 
     if not onednn_available():
         pytest.skip("this torch has no oneDNN")
@@ -172,7 +172,7 @@ def test_prepacked_min_rows_one_reroutes_one_row_calls_and_bad_values_are_refuse
 def test_prepacked_with_rows_shares_the_packed_copies_and_changes_only_the_row_bounds():
     """with_rows: a second mode over the same packed tensors (no memory added) that reroutes the
     row counts it is given; the original keeps its own bounds; bad bounds are refused."""
-    from river_hf.kernels import PrepackedLinear, onednn_available
+    from river_hf.quant.dense import PrepackedLinear, onednn_available
 
     if not onednn_available():
         pytest.skip("this torch has no oneDNN")

@@ -156,7 +156,7 @@ def test_lossless_from_the_config_round_trips(tmp_path):
 
 
 def test_lossless_verify_kernels_give_the_same_tokens():
-    from river_hf.kernels import onednn_available
+    from river_hf.quant.dense import onednn_available
 
     base = tiny_model("llama")
     ids = prompt()
@@ -187,7 +187,7 @@ def test_lossless_after_a_weight_change_equals_the_plain_model_with_the_new_weig
     """The verify kernel packs the backbone's weights once; a later change of the weights
     (load_state_dict, ``param.data = ...``, an in-place change through ``.data`` as PEFT's merge
     does, which the version counter does not see) must be verified with the new weights."""
-    from river_hf.kernels import onednn_available
+    from river_hf.quant.dense import onednn_available
 
     if not onednn_available():
         pytest.skip("no oneDNN in this torch: nothing is packed")
@@ -238,8 +238,8 @@ def test_plain_model_shares_the_backbone_weights_and_gives_the_unmodified_tokens
         plain_model(base)
 
 
-def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch):
-    from river_hf.kernels import PrepackedLinear, onednn_available
+def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch, tmp_path):
+    from river_hf.quant.dense import PrepackedLinear, onednn_available
     from river_hf.river import lossless
 
     if not onednn_available():
@@ -263,6 +263,7 @@ def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch):
     monkeypatch.setattr(PrepackedLinear, "measure", staticmethod(
         lambda i, o, rows, **kw: timed.append((i, o, rows)) or {"torch": 2.0, "onednn": 1.0}))
     monkeypatch.delenv("RIVER_HF_AUTOTUNE", raising=False)
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path))  # the one tuner's kernels.json, not the user's
     river = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="auto"))
     river.generate(prompt(), max_new_tokens=8, **GEN)
     head = base.get_output_embeddings()
@@ -271,6 +272,13 @@ def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch):
     assert timed[0][:2] == max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1]) == (64, 96)
     info = river.river_stats["lossless"]["verify_kernel"]
     assert info["kernel"] == "onednn-prepacked" and info["packed_bytes"] > 0 and info["shape"] == "%dx%d" % timed[0][:2]
+    # the decision is cached with the exit kernels' timings: another model of the same shapes measures nothing
+    from river_hf.quant.autotune import read_cache
+
+    (entry,) = [e for e in read_cache(tmp_path / "kernels.json")[0].values() if "rows" in e]  # (+ the exit kernels')
+    assert entry["rows"] == timed[0][2] and entry["shape"] == "64x96" and entry["kernel"] == "onednn"
+    river_copy(base, config=RiverConfig(lossless=True, verify_kernel="auto")).generate(prompt(), max_new_tokens=8, **GEN)
+    assert len(timed) == 1
 
 
 def test_draft_length_never_exceeds_max_draft_tokens(monkeypatch):

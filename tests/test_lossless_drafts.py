@@ -199,7 +199,7 @@ def test_sampling_with_a_frequent_vocab_draft_head_matches_the_unmodified_distri
     (over all 12^2 prefixes) must fit 800 lossless samples (chi-square p > 1e-3)."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from river_hf.kernels import WeightFingerprint
+    from river_hf.quant.dense import WeightFingerprint
     from test_lossless import _chi2_pvalue, sampling_model
 
     base = sampling_model()

@@ -341,7 +341,7 @@ def test_catch_up_forwards_use_small_batch_linear_and_give_the_same_tokens(monke
     """fp32 catch-up forwards run under SmallBatchLinear (first prefills and one-token steps do
     not); turning it off gives the same tokens and sources."""
     import river_hf.stitch.generation as gen_mod
-    from river_hf.kernels import SmallBatchLinear
+    from river_hf.quant.dense import SmallBatchLinear
 
     used = []
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import RiverError
-from ..kernels import SmallBatchLinear
+from ..quant.dense import SmallBatchLinear
 from .adapters import LayerAdapter, find_decoder_layers
 
 __all__ = ["DLLMCacheConfig", "FeatureCache", "CachedLayer", "select_response_tokens", "attach_cache",
@@ -53,7 +53,7 @@ class DLLMCacheConfig:
         response_interval: Kr, refresh response features every Kr denoising steps (>= 1).
         ratio: rho, V-verify ratio: fraction of response tokens recomputed on other steps (0..1).
         small_batch_linear: run the decomposed (non-full-refresh) steps under
-            :class:`river_hf.kernels.SmallBatchLinear`, which computes fp32 CPU Linear calls of 2..64
+            :class:`river_hf.quant.dense.SmallBatchLinear`, which computes fp32 CPU Linear calls of 2..64
             rows (V-verify's rho * G selected tokens) in the ``(W @ x.T).T`` orientation. ``True`` /
             ``False`` (default: its wall-time gain was not resolved, docs/diffusion.md) force it on /
             off; ``"auto"`` measures both orientations on this machine, on the block's largest Linear
@@ -147,7 +147,7 @@ class FeatureCache:
         layer_flops: layer FLOPs actually spent (all sequences), counted per call.
         layer_flops_full: layer FLOPs an uncached forward would have spent on the same calls.
         selected: number of response tokens recomputed by V-verify, summed over layers and rows.
-        linear_mode: the :class:`~river_hf.kernels.SmallBatchLinear` mode entered around decomposed
+        linear_mode: the :class:`~river_hf.quant.dense.SmallBatchLinear` mode entered around decomposed
             steps (``config.small_batch_linear``, resolved by :func:`attach_cache`), else None; its
             ``calls_rerouted`` counts the calls.
         linear_timing: with ``small_batch_linear="auto"``, the measurement that decided
@@ -411,9 +411,6 @@ def _write_rows(buf: torch.Tensor, parts, values: torch.Tensor) -> None:
         start += n
 
 
-_MEASURED: dict[tuple, dict] = {}  # choose_partial_kernel's timings, per machine, shape and row count
-
-
 def verify_rows(batch: int, response_length: int, ratio: float) -> int:
     """Rows of each Linear call of a V-verify step's recomputed part: ``batch * k`` with ``k`` as in
     :func:`select_response_tokens`."""
@@ -421,33 +418,35 @@ def verify_rows(batch: int, response_length: int, ratio: float) -> int:
 
 
 def choose_partial_kernel(layers, config: DLLMCacheConfig, rows: int | None) -> tuple[bool, dict | None]:
-    """Whether the decomposed steps run under :class:`~river_hf.kernels.SmallBatchLinear`, and the
+    """Whether the decomposed steps run under :class:`~river_hf.quant.dense.SmallBatchLinear`, and the
     timing that decided (None when nothing was measured).
 
     ``config.small_batch_linear`` True/False decides alone. ``"auto"``: off unless the block's Linear
     weights are float32 on the CPU, ``rows`` (the V-verify row count, :func:`verify_rows`) is one the
     mode reroutes (2..64) and ``RIVER_HF_AUTOTUNE`` is not ``0``; then both orientations are timed on
     the largest Linear shape of the first layer at ``rows`` rows with weights streamed from memory
-    (:meth:`SmallBatchLinear.measure`), once per process, machine and shape, and the faster wins.
+    (:meth:`SmallBatchLinear.measure`) through river-hf's one tuner
+    (:meth:`~river_hf.quant.autotune.KernelTuner.choose_mode`: cached in ``kernels.json`` per machine,
+    shape and row count), and the faster wins.
     """
-    import os
-
     choice = config.small_batch_linear
     if isinstance(choice, bool):
         return choice, None
+    from ..quant.autotune import LinearSpec, default_tuner
+
     linears = [m for m in layers[0].modules() if isinstance(m, nn.Linear)]
     if (not linears or rows is None or not 2 <= rows <= SmallBatchLinear.DEFAULT_MAX_ROWS
-            or os.environ.get("RIVER_HF_AUTOTUNE", "1") == "0"
             or any(m.weight.dtype != torch.float32 or m.weight.device.type != "cpu" for m in linears)):
         return False, None
-    from ..quant.autotune import machine_id
-
+    tuner = default_tuner()  # None when RIVER_HF_AUTOTUNE=0
+    if tuner is None:
+        return False, None
     big = max(linears, key=lambda m: m.weight.numel())
-    key = (machine_id(), big.in_features, big.out_features, rows)
-    if key not in _MEASURED:
-        _MEASURED[key] = SmallBatchLinear.measure(big.in_features, big.out_features, rows)
-    timing = {"shape": [big.in_features, big.out_features], "rows": rows, "us_per_call": dict(_MEASURED[key])}
-    return _MEASURED[key]["small-batch"] < _MEASURED[key]["torch"], timing
+    best, timings = tuner.choose_mode(LinearSpec(big.in_features, big.out_features, False), rows,
+                                      ("torch", "small-batch"),
+                                      lambda: SmallBatchLinear.measure(big.in_features, big.out_features, rows))
+    timing = {"shape": [big.in_features, big.out_features], "rows": rows, "us_per_call": timings}
+    return best == "small-batch", timing
 
 
 @contextlib.contextmanager

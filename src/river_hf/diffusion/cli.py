@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--kr", type=int, default=7, help="response_interval Kr (default 7)")
     p.add_argument("--ratio", type=float, default=0.25, help="V-verify ratio rho (default 0.25)")
     p.add_argument("--small-batch-linear", default="off", choices=list(SMALL_BATCH_LINEAR),
-                   help="run the cache's partial steps under river_hf.kernels.SmallBatchLinear (fp32 CPU): "
+                   help="run the cache's partial steps under river_hf.quant.dense.SmallBatchLinear (fp32 CPU): "
                         "off (default), on, or auto (measure it against F.linear on this machine, take the faster)")
     p.add_argument("--no-cache", action="store_true", help="uncached generation only")
     p.add_argument("--compare", action="store_true", help="also run uncached; report speedup and agreement")

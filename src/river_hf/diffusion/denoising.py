@@ -64,7 +64,7 @@ class DiffusionGenerationOutput(ModelOutput):
             ``"prompt"``, ``"response"``, ``"verify"`` as in ``FeatureCache.kind``), and with a
             cache ``refresh_counts``, ``selected_tokens`` (V-verify rows, summed over layers and rows),
             ``cache`` (its settings), ``small_batch_linear_used`` (whether the decomposed steps ran
-            under :class:`~river_hf.kernels.SmallBatchLinear`), with ``"auto"`` the deciding
+            under :class:`~river_hf.quant.dense.SmallBatchLinear`), with ``"auto"`` the deciding
             ``small_batch_linear_timing`` (shape, rows, µs per call of each orientation), and when used
             ``small_batch_linear_calls`` (Linear calls it rerouted). None otherwise.
     """

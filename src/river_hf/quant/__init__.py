@@ -1,10 +1,15 @@
-"""Weight-only kernels for River's exit layers and exit head, chosen per shape by measurement.
+"""Every Linear kernel of river-hf, and the one tuner that chooses between them by measurement.
 
-``kernels`` holds the strategy objects (one per kernel) and the config names that select them;
-``autotune`` measures which kernel is fastest for a shape on the machine at hand.
+``kernels`` holds the weight-only strategy objects of the exit layers and exit head (one per
+kernel, ``modules`` and ``external`` the modules they build) and the config names that select them;
+``dense`` the fp32 modes for multi-row calls of dense Linears (``SmallBatchLinear``,
+``PrepackedLinear``: lossless mode's verify, R-Stitch's catch-ups, dLLM-Cache's partial steps);
+``autotune`` measures which kernel or mode is fastest for a shape on the machine at hand, with one
+timing routine and one cache file (``kernels.json``).
 """
 
-from .autotune import KernelTuner, default_tuner, last_level_cache_bytes, machine_id
+from .autotune import DENSE_MODES, KernelTuner, alternating_medians, default_tuner, last_level_cache_bytes, machine_id
+from .dense import PrepackedLinear, SmallBatchLinear, WeightFingerprint, onednn_available
 from .kernels import (
     BACKENDS,
     KERNELS,
@@ -23,7 +28,8 @@ from .kernels import (
 )
 
 __all__ = [
-    "BACKENDS", "KERNELS", "CastLinear", "CastMemo", "Int4WeightOnlyLinear", "Int8WeightOnlyLinear", "KernelChoice",
+    "BACKENDS", "DENSE_MODES", "KERNELS", "PrepackedLinear", "SmallBatchLinear", "WeightFingerprint", "alternating_medians",
+    "onednn_available", "CastLinear", "CastMemo", "Int4WeightOnlyLinear", "Int8WeightOnlyLinear", "KernelChoice",
     "KernelPlan", "KernelTuner", "WeightOnlyKernel", "default_tuner", "fast_kernel_fraction", "get_backend", "kernel_name",
     "last_level_cache_bytes", "linear_weight_bytes", "machine_id", "shape_key",
 ]

@@ -1,4 +1,10 @@
-"""Pick the fastest weight-only kernel for a Linear's shape by measuring it on this machine.
+"""Pick the fastest kernel for a Linear's shape by measuring it on this machine: river-hf's one tuner.
+
+Every kernel choice river-hf makes by measurement goes through :class:`KernelTuner`, one cache file
+and one timing routine (:func:`alternating_medians`): the weight-only kernels of the exit layers and
+exit head (:meth:`KernelTuner.choose`, one-token calls), and the dense fp32 modes of multi-row calls
+(:meth:`KernelTuner.choose_mode`: lossless mode's verify kernel, F.linear against prepacked oneDNN;
+dLLM-Cache's partial steps, F.linear against ``(W @ x.T).T``), whose entries add the row count.
 
 Kernel rankings change from one CPU to the next (an AVX2-only machine, an AVX-512/AMX one with a
 300 MB L3 ...), so no table written on another machine decides. :class:`KernelTuner` times each
@@ -18,7 +24,8 @@ candidate set, so a second build on the same machine measures nothing. The file:
         "timings_us": {"torch-int4": 195.0, "quanto-int4": 216.0}, "kernel": "torch-int4",
         "measured_at": 1764550000.0, "load_avg_1m": 0.4, "cpus": 2, "river_hf_version": "0.1.0"}}}
 
-``timings_us``: median µs per one-token call; ``measured_at``: Unix time; ``load_avg_1m``: the
+``timings_us``: median µs per one-token call (per ``rows``-row call in an entry of a dense mode, which
+also has ``"rows": R`` and ``|rows=R`` at the end of its key); ``measured_at``: Unix time; ``load_avg_1m``: the
 1-minute load average when the measurement started (None where the OS has none); ``cpus``: the
 cores this process may run on. An entry is **not trusted** and is measured again at its next use when:
 it does not parse (wrong types, a timing that is not a finite positive number, a kernel this
@@ -83,6 +90,38 @@ def last_level_cache_bytes() -> int:
         except ValueError:
             continue
     return best or 64 << 20
+
+
+def alternating_medians(runs: dict, rounds: int, calls=1, *, sync=None) -> dict[str, float]:
+    """The one timing routine behind every kernel choice of river-hf (the exit kernels of
+    :class:`KernelTuner`, lossless mode's verify kernel, dLLM-Cache's partial-step orientation).
+
+    Args:
+        runs: ``{name: callable}``; one call of ``runs[name]()`` makes ``calls`` kernel calls.
+        rounds: timed rounds; before them one untimed warm-up round (first-call allocations,
+            lazy packing). The candidates' order is reversed every other round, so none always
+            runs right after the same neighbour.
+        calls: kernel calls per run, an int for all or ``{name: int}`` per candidate.
+        sync: None, or a callable run before and after each timed run (``torch.cuda.synchronize``).
+
+    Returns:
+        ``{name: median µs per kernel call}`` over the timed rounds.
+    """
+    names = list(runs)
+    per_run = calls if isinstance(calls, dict) else dict.fromkeys(names, calls)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            for name in (names if r % 2 else names[::-1]):
+                if sync is not None:
+                    sync()
+                start = time.perf_counter()
+                runs[name]()
+                if sync is not None:
+                    sync()
+                if r:  # round 0 warms up
+                    times[name].append((time.perf_counter() - start) / per_run[name] * 1e6)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def machine_id(device: torch.device | str = "cpu") -> str:
@@ -150,8 +189,19 @@ class LinearSpec:
         return str(self.dtype).removeprefix("torch.")
 
 
-def _key(machine: str, shape: str, dtype: str, bias: bool, candidates) -> str:
-    return "|".join([machine, shape, dtype, f"bias={bias}", ",".join(sorted(candidates))])
+#: The dense fp32 modes a multi-row choice times (:mod:`.dense`), by the names their ``measure`` returns:
+#: lossless mode's verify kernel (``torch`` against ``onednn``) and dLLM-Cache's partial steps (``torch``
+#: against ``small-batch``). Their entries carry the row count they were measured at.
+DENSE_MODES = {
+    "torch": "F.linear (MKL sgemm on x @ W.T)",
+    "onednn": "oneDNN linear on weights packed once (PrepackedLinear)",
+    "small-batch": "(W @ x.T).T (SmallBatchLinear)",
+}
+
+
+def _key(machine: str, shape: str, dtype: str, bias: bool, candidates, rows: int = 1) -> str:
+    parts = [machine, shape, dtype, f"bias={bias}", ",".join(sorted(candidates))]
+    return "|".join(parts if rows == 1 else parts + [f"rows={rows}"])  # one-row keys as before (format 2)
 
 
 def _number(x) -> bool:
@@ -167,7 +217,11 @@ def _entry_problem(key: str, entry) -> str | None:
     timings = entry.get("timings_us")
     if not isinstance(timings, dict) or not timings:
         return "no timings"
-    unknown = sorted(str(k) for k in timings if k not in KERNELS)
+    rows = entry.get("rows", 1)
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        return "field 'rows' is not a positive integer"
+    known = KERNELS if rows == 1 else DENSE_MODES
+    unknown = sorted(str(k) for k in timings if k not in known)
     if unknown:
         return f"unknown kernel(s) {', '.join(unknown)}"
     bad = sorted(k for k, v in timings.items() if not (_number(v) and v > 0))
@@ -187,7 +241,7 @@ def _entry_problem(key: str, entry) -> str | None:
             return f"field {field!r} missing or of the wrong type"
     if set(entry["candidates"]) != set(timings):
         return "timings do not cover the candidates"
-    if key != _key(entry["machine"], entry["shape"], entry["dtype"], entry["bias"], entry["candidates"]):
+    if key != _key(entry["machine"], entry["shape"], entry["dtype"], entry["bias"], entry["candidates"], rows):
         return "fields disagree with the key"
     return None
 
@@ -292,6 +346,18 @@ def update_cache(path: str | Path, updates: dict | None = None, remove=None) -> 
     return entries
 
 
+def _entry(spec: LinearSpec, rows: int, names, timings: dict, load: float | None, cpus: int) -> dict:
+    """A cache entry (module docstring) for ``timings`` of ``names`` on ``spec`` at ``rows`` rows."""
+    from .._version import __version__
+
+    entry = {"machine": machine_id(spec.device), "shape": spec.shape, "dtype": spec.dtype_name, "bias": spec.bias,
+             "candidates": sorted(names), "timings_us": dict(timings), "kernel": min(timings, key=timings.get),
+             "measured_at": time.time(), "load_avg_1m": load, "cpus": cpus, "river_hf_version": __version__}
+    if rows != 1:
+        entry["rows"] = rows
+    return entry
+
+
 class KernelTuner:
     """Measures candidate kernels per Linear shape and remembers the winner.
 
@@ -347,8 +413,38 @@ class KernelTuner:
         entry is used when it is valid and trusted (module docstring), else the shape is measured
         and the entry replaced."""
         by_name = {k.name: k for k in candidates}
-        spec = LinearSpec.of(linear)
-        key = _key(machine_id(spec.device), spec.shape, spec.dtype_name, spec.bias, by_name)
+        timings = self._cached_or_measured(LinearSpec.of(linear), 1, list(by_name),
+                                           lambda spec: self.measure(candidates, spec))
+        return by_name[min(timings, key=timings.get)], timings
+
+    def choose_mode(self, linear, rows: int, candidates, measure) -> tuple[str, dict[str, float]]:
+        """The faster dense fp32 mode (:data:`DENSE_MODES`) for ``rows``-row calls of ``linear``'s
+        shape (an ``nn.Linear`` or :class:`LinearSpec`), cached in the same file as the exit kernels
+        under a key that adds the row count, trusted by the same rules.
+
+        Args:
+            candidates: the mode names ``measure`` times, e.g. ``("torch", "onednn")``.
+            measure: ``() -> {name: µs per call}`` (e.g. ``PrepackedLinear.measure`` bound to the
+                shape and row count), run only when no trusted entry is cached.
+
+        Returns:
+            ``(fastest name, {name: µs per call})``.
+
+        Raises:
+            ValueError: ``rows`` < 2, or a candidate that is not a dense mode.
+        """
+        if rows < 2:
+            raise ValueError(f"rows must be >= 2 for a dense mode choice (one-row calls use choose), got {rows}")
+        bad = [c for c in candidates if c not in DENSE_MODES]
+        if bad:
+            raise ValueError(f"not dense modes: {bad}; expected some of {sorted(DENSE_MODES)}")
+        timings = self._cached_or_measured(LinearSpec.of(linear), rows, list(candidates), lambda spec: measure())
+        return min(timings, key=timings.get), timings
+
+    def _cached_or_measured(self, spec: LinearSpec, rows: int, names: list[str], measure) -> dict[str, float]:
+        """The timings of the trusted cached entry for ``(spec, rows, names)``, else of a new
+        measurement ``measure(spec)`` (saved: :meth:`_save`)."""
+        key = _key(machine_id(spec.device), spec.shape, spec.dtype_name, spec.bias, names, rows)
         entry = self._choices.get(key)
         why = "not cached" if entry is None else _entry_problem(key, entry) or entry_status(entry)
         if why is not None:
@@ -356,26 +452,19 @@ class KernelTuner:
                 self.remeasured[key] = why
             if self.on_measure is not None:
                 self.on_measure(spec.shape, spec.dtype_name, why)
-            entry = self.measure_entry(candidates, spec)
+            load, cpus = load_average(), usable_cpus()
+            entry = _entry(spec, rows, names, measure(spec), load, cpus)
             self._choices[key] = entry
             self.measured += 1
             self._save(key, entry)
-        timings = entry["timings_us"]
-        best = min(timings, key=timings.get)
-        return by_name[best], dict(timings)
+        return dict(entry["timings_us"])
 
     def measure_entry(self, candidates, linear) -> dict:
         """Measure ``candidates`` on ``linear`` (an ``nn.Linear`` or :class:`LinearSpec`) and return
         the cache entry (module docstring) for it, load average and version included."""
-        from .._version import __version__
-
         spec = LinearSpec.of(linear)
         load, cpus = load_average(), usable_cpus()
-        timings = self.measure(candidates, spec)
-        return {"machine": machine_id(spec.device), "shape": spec.shape, "dtype": spec.dtype_name, "bias": spec.bias,
-                "candidates": sorted(k.name for k in candidates), "timings_us": timings,
-                "kernel": min(timings, key=timings.get), "measured_at": time.time(), "load_avg_1m": load,
-                "cpus": cpus, "river_hf_version": __version__}
+        return _entry(spec, 1, [k.name for k in candidates], self.measure(candidates, spec), load, cpus)
 
     def measure(self, candidates, linear) -> dict[str, float]:
         """Median µs per one-token call of each candidate on ``linear`` (an ``nn.Linear`` or
@@ -393,21 +482,9 @@ class KernelTuner:
             built = [(k.name, self._copies(k, probe)) for k in candidates]
         del probe
         x = torch.randn(1, 1, spec.in_features, generator=gen).to(device=device, dtype=dtype)
-        times: dict[str, list[float]] = {name: [] for name, _ in built}
-        with torch.no_grad():
-            for _, copies in built:  # warm-up: first-call allocations, lazy packing
-                copies[0](x)
-            for i in range(self.rounds):
-                for name, copies in built if i % 2 == 0 else built[::-1]:
-                    if device.type == "cuda":  # pragma: no cover - needs a GPU
-                        torch.cuda.synchronize(device)
-                    t = time.perf_counter()
-                    for m in copies:
-                        m(x)
-                    if device.type == "cuda":  # pragma: no cover - needs a GPU
-                        torch.cuda.synchronize(device)
-                    times[name].append((time.perf_counter() - t) / len(copies))
-        return {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+        runs = {name: (lambda copies=copies: [m(x) for m in copies]) for name, copies in built}
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+        return alternating_medians(runs, self.rounds, {name: len(copies) for name, copies in built}, sync=sync)
 
     def _copies(self, kernel, probe: nn.Linear) -> list[nn.Module]:
         """Enough separate copies of the kernel's module that one pass over them reads

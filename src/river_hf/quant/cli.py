@@ -1,7 +1,8 @@
 """``river-hf kernels``: see and re-measure the cached kernel timings (``kernels.json``).
 
 ``river-hf kernels`` (or ``--list``) prints one row per cached entry: shape, dtype, bias, the
-kernel chosen, every candidate's µs per one-token call, when it was measured, the load average
+kernel chosen, every candidate's µs per one-token call (per multi-row call for the dense modes of
+lossless mode's verify and dLLM-Cache's partial steps, shown with their row count), when it was measured, the load average
 then, and whether the next build trusts it (:mod:`.autotune` says when it does not).
 ``--remeasure`` drops every entry (the next build with ``int4``/``int8`` exit layers measures
 again); ``--remeasure 896x4864 4864x896`` measures the cached entries of those shapes for this
@@ -25,8 +26,9 @@ _SHAPE = re.compile(r"^(\d+)x(\d+)$")
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "kernels",
-        help="list or re-measure the cached exit-kernel timings (kernels.json)",
-        description="Show the kernel timings cached for the int4/int8 exit-layer choices, or measure them again. "
+        help="list or re-measure the cached kernel timings (kernels.json)",
+        description="Show the kernel timings cached for the int4/int8 exit-layer choices and the dense modes of "
+        "multi-row calls (lossless verify, dLLM-Cache partial steps), or measure them again. "
         "The cache is $RIVER_HF_CACHE/kernels.json (default ~/.cache/river_hf/kernels.json).",
     )
     what = p.add_mutually_exclusive_group()
@@ -87,7 +89,7 @@ def _rows(entries: dict) -> list[dict]:
         status = ("another machine, thread count or device" if e["machine"] != here else entry_status(e)
                   or ("measured under load: measured again at the first build on a quiet machine"
                       if is_loaded(e["load_avg_1m"], e["cpus"]) else "ok"))
-        rows.append({"key": key, "shape": e["shape"], "dtype": e["dtype"], "bias": e["bias"],
+        rows.append({"key": key, "shape": e["shape"], "rows": e.get("rows", 1), "dtype": e["dtype"], "bias": e["bias"],
                      "kernel": min(e["timings_us"], key=e["timings_us"].get),
                      "timings_us": e["timings_us"], "measured_at": e["measured_at"], "load_avg_1m": e["load_avg_1m"],
                      "cpus": e["cpus"], "machine": e["machine"], "river_hf_version": e["river_hf_version"],
@@ -118,7 +120,8 @@ def list_cache(path: Path, *, as_json: bool = False) -> int:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["measured_at"]))
         load = "load ?" if r["load_avg_1m"] is None else f"load {r['load_avg_1m']:.2f}/{r['cpus']} cores"
         times = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["timings_us"].items(), key=lambda kv: kv[1]))
-        print(f"  {r['shape']:>13} {r['dtype']:<8} {'bias' if r['bias'] else 'no bias':<7} -> {r['kernel']:<14} "
+        shape = r["shape"] if r["rows"] == 1 else f"{r['shape']} x{r['rows']} rows"
+        print(f"  {shape:>13} {r['dtype']:<8} {'bias' if r['bias'] else 'no bias':<7} -> {r['kernel']:<14} "
               f"[{times} us]  {when}, {load}  ({r['status']})")
     for key, why in sorted(invalid.items()):
         print(f"  invalid: {key}: {why}")
@@ -163,7 +166,8 @@ def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
     """
     import torch
 
-    from .autotune import KernelTuner, LinearSpec, machine_id, read_cache, update_cache
+    from .autotune import KernelTuner, LinearSpec, _entry, load_average, machine_id, read_cache, update_cache, usable_cpus
+    from .dense import measure_modes
     from .kernels import KERNELS
 
     entries, _, _ = read_cache(path)
@@ -178,11 +182,20 @@ def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
     tuner = KernelTuner(False)
     fresh, gone = {}, []
     for key, e in mine.items():
+        spec = LinearSpec(*map(int, e["shape"].split("x")), e["bias"], getattr(torch, e["dtype"]))
+        rows = e.get("rows", 1)
+        if rows != 1:  # a dense mode's entry (lossless verify, dLLM-Cache partial steps)
+            try:
+                timings = measure_modes(e["candidates"], spec.in_features, spec.out_features, rows)
+            except RuntimeError:  # oneDNN gone from this torch: the next use decides again
+                gone.append(key)
+                continue
+            fresh[key] = _entry(spec, rows, e["candidates"], timings, load_average(), usable_cpus())
+            continue
         candidates = [KERNELS[n] for n in e["candidates"]]
         if not all(k.available("cpu") for k in candidates):  # e.g. onnxruntime uninstalled since
             gone.append(key)  # a build measures this shape under its new candidate set
             continue
-        spec = LinearSpec(*map(int, e["shape"].split("x")), e["bias"], getattr(torch, e["dtype"]))
         fresh[key] = tuner.measure_entry(candidates, spec)
     try:
         update_cache(path, fresh, remove=lambda key, entry: key in gone or (
@@ -195,5 +208,6 @@ def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
     else:
         for r in rows:
             times = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["timings_us"].items(), key=lambda kv: kv[1]))
-            print(f"{r['shape']} {r['dtype']} {'bias' if r['bias'] else 'no bias'}: {r['kernel']} [{times} us]")
+            rows = "" if r["rows"] == 1 else f" x{r['rows']} rows"
+            print(f"{r['shape']}{rows} {r['dtype']} {'bias' if r['bias'] else 'no bias'}: {r['kernel']} [{times} us]")
     return 0

@@ -27,7 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import RiverError
-from ..kernels import WeightFingerprint
+from ..quant.dense import WeightFingerprint
 from ..quant import KernelPlan, default_tuner, get_backend, linear_weight_bytes
 from ..quant.fused import fuse_projections, fused_groups
 from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_class
@@ -208,7 +208,7 @@ def _linear_prints(module: nn.Module) -> list:
 
 
 def _fingerprints(model: nn.Module, layers) -> dict:
-    """:class:`~river_hf.kernels.WeightFingerprint` of every Linear weight the exit copies were built
+    """:class:`~river_hf.quant.dense.WeightFingerprint` of every Linear weight the exit copies were built
     from: ``{"layers": {i: [(linear, print), ...]}, "head": (linear, print) or None}`` (offloaded
     backbones are left out: their weights are not in memory to change)."""
     prints: dict = {"layers": {}, "head": None}

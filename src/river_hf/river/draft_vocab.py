@@ -238,7 +238,7 @@ def draft_head_for(model, n: int, tokenizer=None) -> FrequentVocabHead:
         RiverError: no tokenizer was given and none loads from ``model.name_or_path`` (pass it:
             ``draft_head_for(model, n, tokenizer)``, or set ``draft_vocab=0``).
     """
-    from ..kernels import WeightFingerprint
+    from ..quant.dense import WeightFingerprint
     from ..quant import get_backend
 
     head = model.get_output_embeddings()

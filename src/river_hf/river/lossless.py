@@ -27,7 +27,7 @@ length k adapts like transformers' ``num_assistant_tokens_schedule="heuristic"``
 draft was accepted, -1 otherwise) or stays fixed.
 
 Multi-token verify passes of fp32 CPU models run their backbone Linears through
-:class:`river_hf.kernels.PrepackedLinear` where that measured faster (``RiverConfig.verify_kernel``).
+:class:`river_hf.quant.dense.PrepackedLinear` where that measured faster (``RiverConfig.verify_kernel``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from transformers import StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator, PromptLookupCandidateGenerator
 
 from ..errors import RiverError
-from ..kernels import PrepackedLinear, onednn_available
+from ..quant.dense import PrepackedLinear, onednn_available
 from .arch import decoder_stack
 from .config import DRAFT_PATHS, DRAFT_SCHEDULES, PROMPT_LOOKUP_RULES, VERIFY_KERNELS
 from .draft_vocab import draft_head_for
@@ -480,9 +480,11 @@ def verify_mode(model, choice: str, rows: int):
       for ``onednn`` too.
     - ``auto`` first times ``F.linear`` against oneDNN on the backbone's most common Linear shape
       (an MLP projection, not the LM head) at ``min(rows, 8)`` rows and packs only when oneDNN was
-      faster (``RIVER_HF_AUTOTUNE=0``: no measurement, no packing).
+      faster (``RIVER_HF_AUTOTUNE=0``: no measurement, no packing). The timing goes through
+      :meth:`river_hf.quant.autotune.KernelTuner.choose_mode`: cached in ``kernels.json`` with the
+      exit kernels' timings, so a second process on this machine measures nothing.
 
-    Every later call only :meth:`~river_hf.kernels.PrepackedLinear.refresh` es the copy: weights
+    Every later call only :meth:`~river_hf.quant.dense.PrepackedLinear.refresh` es the copy: weights
     changed since they were packed (``load_state_dict``, ``param.data = ...``, a PEFT merge) are
     repacked, so a verify always computes with the model's current weights. Opt out with
     ``RiverConfig(verify_kernel="torch")``.
@@ -515,7 +517,7 @@ def verify_mode(model, choice: str, rows: int):
 def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
     import warnings
 
-    from ..quant.autotune import default_tuner, last_level_cache_bytes  # default_tuner(): None when RIVER_HF_AUTOTUNE=0
+    from ..quant.autotune import LinearSpec, default_tuner, last_level_cache_bytes  # default_tuner(): None when RIVER_HF_AUTOTUNE=0
 
     head = model.get_output_embeddings()
     head = getattr(head, "backbone", head)
@@ -533,13 +535,17 @@ def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
             warnings.warn(f"River lossless verify_kernel='onednn': {why}", UserWarning, stacklevel=4)
         return False, {**info, "why": why}
     if choice == "auto":
-        if default_tuner() is None:
+        tuner = default_tuner()
+        if tuner is None:
             return False, {**info, "why": "RIVER_HF_AUTOTUNE=0: not measured, not packed"}
         k_in, k_out = _representative_shape(linears, head)
-        timing = PrepackedLinear.measure(k_in, k_out, max(2, min(rows, 8)),
-                                         stream_bytes=min(2 * last_level_cache_bytes(), int(0.1 * available)))
+        timed_rows = max(2, min(rows, 8))
+        stream = min(2 * last_level_cache_bytes(), int(0.1 * available))
+        best, timing = tuner.choose_mode(
+            LinearSpec(k_in, k_out, False), timed_rows, ("torch", "onednn"),
+            lambda: PrepackedLinear.measure(k_in, k_out, timed_rows, stream_bytes=stream))
         info.update(timing_us=timing, shape=f"{k_in}x{k_out}")
-        if timing["onednn"] >= timing["torch"]:
+        if best != "onednn":
             return False, {**info, "why": "F.linear measured faster than prepacked oneDNN"}
         info["why"] = "prepacked oneDNN measured faster than F.linear"
     else:

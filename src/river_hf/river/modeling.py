@@ -280,7 +280,7 @@ class RiverForCausalLM(RiverSettingsMixin):
     def river_refresh_exit_layers(self) -> list[str]:
         """Rebuild the exit copy of every backbone layer, and the exit head, whose weights changed
         since the copy was made (``load_state_dict``, ``param.data = ...``, an in-place change such
-        as a PEFT merge; see :class:`~river_hf.kernels.WeightFingerprint`), so the exit path always
+        as a PEFT merge; see :class:`~river_hf.quant.dense.WeightFingerprint`), so the exit path always
         quantizes the model's current weights. ``generate`` calls it first in every mode but
         ``backbone``; it costs one gather of 256 values per backbone Linear when nothing changed.
         Rebuilt copies use the kernels of ``river_config.kernel_choice`` (nothing is measured).

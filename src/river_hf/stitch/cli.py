@@ -8,7 +8,7 @@ answer is printed with the SLM's tokens marked: green on a terminal, ``[[...]]``
 the stats (tokens per model, hand-overs, forwards and seconds per model). ``--compare`` also runs
 LLM-only greedy ``generate`` and HF assisted generation (``assistant_model=`` the SLM) on the same
 input and prints their latency next to R-Stitch's. Assisted generation runs inside
-:class:`~river_hf.kernels.SmallBatchLinear`, as R-Stitch's catch-up forwards do (its verify
+:class:`~river_hf.quant.dense.SmallBatchLinear`, as R-Stitch's catch-up forwards do (its verify
 forwards process several tokens too), so the comparison is kernel for kernel; LLM-only runs plain
 (its one-token steps are untouched by the mode and would only pay its dispatch cost).
 """
@@ -127,7 +127,7 @@ def _compare(slm, llm, ids, tok, slm_tok, args, n: int):
 
     import torch
 
-    from ..kernels import SmallBatchLinear
+    from ..quant.dense import SmallBatchLinear
     from ..quant import linear_weight_bytes
     from ..timing import TokenTimer, compare, measure_generate
     from .generation import generate

@@ -26,7 +26,7 @@ Implementation notes (what this module does where the paper leaves a choice):
 - Exactness switches: τ < 0 never accepts an SLM token (H ≥ 0 > τ), so the SLM is not run at all
   and the result is the LLM's own decoding; τ ≥ 1 always accepts (H ≤ 1), so it is the SLM's.
 - Catch-up forwards (a few tokens on top of a non-empty cache) of a model whose weights are float32
-  on the CPU run under :class:`~river_hf.kernels.SmallBatchLinear` by default: there, torch's stock
+  on the CPU run under :class:`~river_hf.quant.dense.SmallBatchLinear` by default: there, torch's stock
   ``F.linear`` makes a 2-4-token forward cost as much as 2-2.9 one-token steps, which taxes every
   hand-over; the mode computes those products in the faster orientation (same result up to fp32
   summation order). bf16/fp16 weights and GPUs show no such gap, so the mode is not entered there
@@ -58,7 +58,7 @@ from transformers.generation import GenerationMode
 from transformers.utils import ModelOutput
 
 from ..errors import RiverError
-from ..kernels import SmallBatchLinear
+from ..quant.dense import SmallBatchLinear
 
 __all__ = ["generate", "normalized_entropy", "check_pair", "shared_vocab_size", "StitchOutput", "StitchStats", "SLM", "LLM"]
 
@@ -189,7 +189,7 @@ def check_pair(slm, llm, slm_tokenizer=None, llm_tokenizer=None) -> None:
 
 
 def _small_batch_linear_helps(model) -> bool:
-    """True where :class:`~river_hf.kernels.SmallBatchLinear` can change anything: a model whose
+    """True where :class:`~river_hf.quant.dense.SmallBatchLinear` can change anything: a model whose
     weights are float32 on the CPU. Elsewhere (bf16/fp16, a GPU) the mode reroutes nothing and would
     only add its Python dispatch to every torch call of the forward."""
     return model.device.type == "cpu" and model.dtype == torch.float32
@@ -327,7 +327,7 @@ def generate(
             checked (:func:`check_pair`), ``len(tokenizer)`` sets the shared vocabulary size, and
             ``tokenizer`` is the one ``stop_strings`` need (as in ``generate``).
         vocab_size: shared vocabulary size V (overrides the rule in :func:`shared_vocab_size`).
-        small_batch_linear: run catch-up forwards under :class:`~river_hf.kernels.SmallBatchLinear`;
+        small_batch_linear: run catch-up forwards under :class:`~river_hf.quant.dense.SmallBatchLinear`;
             entered only for a model whose weights are float32 on the CPU (the only case the mode
             changes; see the module notes).
 

@@ -1,4 +1,7 @@
-"""Routing of small-batch fp32 Linear calls on CPU to a faster GEMM orientation.
+"""Dense fp32 Linear kernels for multi-row calls on CPU: a faster GEMM orientation, prepacked oneDNN.
+
+The dense members of river-hf's one kernel package (:mod:`river_hf.quant`); which of them a call
+site uses is measured by the package's one tuner (:meth:`~river_hf.quant.autotune.KernelTuner.choose_mode`).
 
 A forward over a few tokens (R-Stitch's partial prefill of 2-16 tokens, the verify step of
 assisted generation) calls each Linear with an input of ``rows`` = 2..64 tokens. On CPU, torch's
@@ -22,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from .autotune import alternating_medians, last_level_cache_bytes
 
 __all__ = ["SmallBatchLinear", "PrepackedLinear", "WeightFingerprint", "onednn_available"]
 
@@ -90,7 +95,7 @@ class SmallBatchLinear(TorchFunctionMode):
         """
         weights = _streamed_weights(in_features, out_features, stream_bytes)
         x = torch.randn(rows, in_features)
-        return _alternating_medians({
+        return alternating_medians({
             "torch": lambda: [F.linear(x, w) for w in weights],
             "small-batch": lambda: [torch.mm(w, x.t()).t().contiguous() for w in weights],
         }, rounds, len(weights))  # fmt: skip
@@ -100,28 +105,9 @@ def _streamed_weights(in_features: int, out_features: int, stream_bytes: int | N
     """Separate random fp32 weights ``[out, in]`` totalling ``stream_bytes`` (default twice the
     last-level cache; 2..``max_copies`` copies), so that one pass over them reads from memory, as a
     forward pass over a model too big for the cache does."""
-    from .quant.autotune import last_level_cache_bytes
-
     size = in_features * out_features * 4
     copies = min(max_copies, max(2, -(-(stream_bytes or 2 * last_level_cache_bytes()) // size)))
     return [torch.randn(out_features, in_features) for _ in range(copies)]
-
-
-def _alternating_medians(runs: dict, rounds: int, calls: int) -> dict[str, float]:
-    """Median µs per call of each ``runs[name]()`` (which makes ``calls`` calls), after one warm-up
-    round, the order alternating from round to round."""
-    import statistics
-    import time
-
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    with torch.no_grad():
-        for r in range(rounds + 1):
-            for name in (list(runs) if r % 2 else list(runs)[::-1]):
-                start = time.perf_counter()
-                runs[name]()
-                if r:  # round 0 warms up
-                    times[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def onednn_available() -> bool:
@@ -342,7 +328,29 @@ class PrepackedLinear(TorchFunctionMode):
         weights = _streamed_weights(in_features, out_features, stream_bytes)
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
         x = torch.randn(rows, in_features)
-        return _alternating_medians({
+        return alternating_medians({
             "torch": lambda: [F.linear(x, w) for w in weights],
             "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
         }, rounds, len(weights))  # fmt: skip
+
+
+def measure_modes(candidates, in_features: int, out_features: int, rows: int, **kwargs) -> dict[str, float]:
+    """Time the dense modes ``candidates`` names on ``rows`` fp32 rows of an ``in_features x
+    out_features`` Linear: ``{"torch", "onednn"}`` by :meth:`PrepackedLinear.measure`, ``{"torch",
+    "small-batch"}`` by :meth:`SmallBatchLinear.measure` (``kwargs`` go to it). Used to measure a cached
+    entry of :meth:`~river_hf.quant.autotune.KernelTuner.choose_mode` again (``river-hf kernels
+    --remeasure``).
+
+    Returns:
+        ``{name: median µs per call}``.
+
+    Raises:
+        ValueError: another set of names.
+        RuntimeError: ``onednn`` named and no oneDNN in this torch.
+    """
+    names = set(candidates)
+    if names == {"torch", "onednn"}:
+        return PrepackedLinear.measure(in_features, out_features, rows, **kwargs)
+    if names == {"torch", "small-batch"}:
+        return SmallBatchLinear.measure(in_features, out_features, rows, **kwargs)
+    raise ValueError(f"no measurement times the dense modes {sorted(names)}")
