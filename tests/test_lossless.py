@@ -260,25 +260,42 @@ def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch, 
     # enough memory, 'auto': one measurement on the most common backbone shape (the MLP's), not the head
     monkeypatch.setattr(lossless, "available_memory_bytes", lambda: 100 * need)
     timed = []
+    prompt_winner = {"torch": 2.0, "onednn": 1.0}
     monkeypatch.setattr(PrepackedLinear, "measure", staticmethod(
-        lambda i, o, rows, **kw: timed.append((i, o, rows)) or {"torch": 2.0, "onednn": 1.0}))
+        lambda i, o, rows, **kw: timed.append((i, o, rows)) or (dict(prompt_winner) if rows == lossless.PROMPT_TIMED_ROWS
+                                                                else {"torch": 2.0, "onednn": 1.0})))
     monkeypatch.delenv("RIVER_HF_AUTOTUNE", raising=False)
     monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path))  # the one tuner's kernels.json, not the user's
     river = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="auto"))
-    river.generate(prompt(), max_new_tokens=8, **GEN)
+    ids = prompt(24)  # a prompt pass of more rows than any verify (max_draft_tokens + 1 = 16)
+    assert torch.equal(river.generate(ids, max_new_tokens=8, **GEN), base.generate(ids, max_new_tokens=8, **GEN))
     head = base.get_output_embeddings()
-    assert len(timed) == 1 and timed[0][:2] != (head.in_features, head.out_features)
+    # the verify rows, then (oneDNN won there) the prompt rows, on the same shape; never the head
+    assert [t[2] for t in timed] == [8, lossless.PROMPT_TIMED_ROWS] and timed[0][:2] != (head.in_features, head.out_features)
     shapes = [(m.in_features, m.out_features) for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    assert timed[0][:2] == max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1]) == (64, 96)
+    assert timed[0][:2] == timed[1][:2] == max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1]) == (64, 96)
     info = river.river_stats["lossless"]["verify_kernel"]
     assert info["kernel"] == "onednn-prepacked" and info["packed_bytes"] > 0 and info["shape"] == "%dx%d" % timed[0][:2]
-    # the decision is cached with the exit kernels' timings: another model of the same shapes measures nothing
+    assert info["prompt"] == "onednn-prepacked" and info["prompt_timing_us"] == {"torch": 2.0, "onednn": 1.0}
+    mode = river._river_verify_linear[0]
+    before = mode.calls_rerouted
+    with river.river_mode("backbone"), mode:  # a 24-row pass goes through the packed copy
+        river(ids)
+    assert mode.calls_rerouted > before
+    # the decisions are cached with the exit kernels' timings: another model of the same shapes measures nothing
     from river_hf.quant.autotune import read_cache
 
-    (entry,) = [e for e in read_cache(tmp_path / "kernels.json")[0].values() if "rows" in e]  # (+ the exit kernels')
-    assert entry["rows"] == timed[0][2] and entry["shape"] == "64x96" and entry["kernel"] == "onednn"
+    dense = sorted(e["rows"] for e in read_cache(tmp_path / "kernels.json")[0].values() if "rows" in e)
+    assert dense == [8, lossless.PROMPT_TIMED_ROWS]  # (beside the exit kernels' one-row entries)
     river_copy(base, config=RiverConfig(lossless=True, verify_kernel="auto")).generate(prompt(), max_new_tokens=8, **GEN)
-    assert len(timed) == 1
+    assert len(timed) == 2
+    # where F.linear wins at the prompt's rows, prompt passes stay on it: only verify rows are rerouted
+    prompt_winner = {"torch": 1.0, "onednn": 2.0}
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "other"))
+    river = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="auto"))
+    assert torch.equal(river.generate(ids, max_new_tokens=8, **GEN), base.generate(ids, max_new_tokens=8, **GEN))
+    info = river.river_stats["lossless"]["verify_kernel"]
+    assert info["kernel"] == "onednn-prepacked" and info["prompt"] == "torch" and river._river_verify_linear[0].max_rows == 16
 
 
 def test_draft_length_never_exceeds_max_draft_tokens(monkeypatch):

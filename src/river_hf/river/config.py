@@ -129,8 +129,9 @@ class RiverConfig:
             rows of the LM head; the verify keeps the full head, so the output is unchanged.
             0: the whole vocabulary (the exit head).
         verify_kernel: lossless mode, fp32 CPU: ``auto`` (oneDNN on prepacked weights for the
-            multi-token verify passes where it measured faster than ``F.linear``; costs a packed
-            copy of the backbone's Linear weights), ``onednn`` or ``torch``.
+            multi-token verify passes where it measured faster than ``F.linear``, and for the prompt
+            pass too where it also measured faster at a prompt's row count; costs a packed copy of
+            the backbone's Linear weights), ``onednn`` (both, unmeasured) or ``torch``.
         offload_from: first backbone layer kept off the compute device (None: no offload).
         offload_dir: folder for disk offload on CPU-only machines (None: a temporary folder).
         kernel_choice: the kernel each Linear shape of a measured choice (``int4`` / ``int8``) got,
