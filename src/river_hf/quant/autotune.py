@@ -459,12 +459,27 @@ class KernelTuner:
             self._save(key, entry)
         return dict(entry["timings_us"])
 
-    def measure_entry(self, candidates, linear) -> dict:
-        """Measure ``candidates`` on ``linear`` (an ``nn.Linear`` or :class:`LinearSpec`) and return
-        the cache entry (module docstring) for it, load average and version included."""
-        spec = LinearSpec.of(linear)
+    def measure_again(self, entry: dict) -> dict | None:
+        """A new cache entry for a cached one (``river-hf kernels --remeasure``): the same shape,
+        dtype, bias, candidates and row count, measured now on this machine; None when one of its
+        kernels is not available here any more (its library uninstalled, no oneDNN in this torch)."""
+        from .dense import measure_modes
+        from .kernels import KERNELS
+
+        dims = tuple(int(n) for n in entry["shape"].split("x"))
+        spec = LinearSpec(*dims, entry["bias"], getattr(torch, entry["dtype"]))
+        rows = entry.get("rows", 1)
         load, cpus = load_average(), usable_cpus()
-        return _entry(spec, 1, [k.name for k in candidates], self.measure(candidates, spec), load, cpus)
+        if rows != 1:  # a dense mode's entry (lossless verify, dLLM-Cache partial steps)
+            try:
+                timings = measure_modes(entry["candidates"], *dims, rows)
+            except RuntimeError:
+                return None
+            return _entry(spec, rows, entry["candidates"], timings, load, cpus)
+        candidates = [KERNELS[n] for n in entry["candidates"]]
+        if not all(k.available(spec.device.type) for k in candidates):
+            return None
+        return _entry(spec, 1, entry["candidates"], self.measure(candidates, spec), load, cpus)
 
     def measure(self, candidates, linear) -> dict[str, float]:
         """Median µs per one-token call of each candidate on ``linear`` (an ``nn.Linear`` or

@@ -164,11 +164,7 @@ def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
     Raises:
         RiverError: a shape has no cached entry for this machine (nothing to measure it for).
     """
-    import torch
-
-    from .autotune import KernelTuner, LinearSpec, _entry, load_average, machine_id, read_cache, update_cache, usable_cpus
-    from .dense import measure_modes
-    from .kernels import KERNELS
+    from .autotune import KernelTuner, machine_id, read_cache, update_cache
 
     entries, _, _ = read_cache(path)
     here = machine_id("cpu")
@@ -182,21 +178,11 @@ def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
     tuner = KernelTuner(False)
     fresh, gone = {}, []
     for key, e in mine.items():
-        spec = LinearSpec(*map(int, e["shape"].split("x")), e["bias"], getattr(torch, e["dtype"]))
-        rows = e.get("rows", 1)
-        if rows != 1:  # a dense mode's entry (lossless verify, dLLM-Cache partial steps)
-            try:
-                timings = measure_modes(e["candidates"], spec.in_features, spec.out_features, rows)
-            except RuntimeError:  # oneDNN gone from this torch: the next use decides again
-                gone.append(key)
-                continue
-            fresh[key] = _entry(spec, rows, e["candidates"], timings, load_average(), usable_cpus())
-            continue
-        candidates = [KERNELS[n] for n in e["candidates"]]
-        if not all(k.available("cpu") for k in candidates):  # e.g. onnxruntime uninstalled since
-            gone.append(key)  # a build measures this shape under its new candidate set
-            continue
-        fresh[key] = tuner.measure_entry(candidates, spec)
+        entry = tuner.measure_again(e)
+        if entry is None:  # a kernel not available here any more: a build measures the shape with what it has
+            gone.append(key)
+        else:
+            fresh[key] = entry
     try:
         update_cache(path, fresh, remove=lambda key, entry: key in gone or (
             entry["shape"] in shapes and entry["machine"] != here))
@@ -208,6 +194,6 @@ def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
     else:
         for r in rows:
             times = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["timings_us"].items(), key=lambda kv: kv[1]))
-            rows = "" if r["rows"] == 1 else f" x{r['rows']} rows"
-            print(f"{r['shape']}{rows} {r['dtype']} {'bias' if r['bias'] else 'no bias'}: {r['kernel']} [{times} us]")
+            suffix = "" if r["rows"] == 1 else f" x{r['rows']} rows"
+            print(f"{r['shape']}{suffix} {r['dtype']} {'bias' if r['bias'] else 'no bias'}: {r['kernel']} [{times} us]")
     return 0
