@@ -459,11 +459,14 @@ class KernelTuner:
             self._save(key, entry)
         return dict(entry["timings_us"])
 
-    def measure_again(self, entry: dict) -> dict | None:
+    def measure_again(self, entry: dict, measure_modes) -> dict | None:
         """A new cache entry for a cached one (``river-hf kernels --remeasure``): the same shape,
         dtype, bias, candidates and row count, measured now on this machine; None when one of its
-        kernels is not available here any more (its library uninstalled, no oneDNN in this torch)."""
-        from .dense import measure_modes
+        kernels is not available here any more (its library uninstalled, no oneDNN in this torch).
+
+        ``measure_modes(candidates, in_features, out_features, rows) -> {name: µs}`` times an entry
+        of dense modes (:func:`river_hf.quant.dense.measure_modes`; passed in, since ``dense``
+        imports this module), raising RuntimeError where one is missing."""
         from .kernels import KERNELS
 
         dims = tuple(int(n) for n in entry["shape"].split("x"))

@@ -165,6 +165,7 @@ def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
         RiverError: a shape has no cached entry for this machine (nothing to measure it for).
     """
     from .autotune import KernelTuner, machine_id, read_cache, update_cache
+    from .dense import measure_modes
 
     entries, _, _ = read_cache(path)
     here = machine_id("cpu")
@@ -178,7 +179,7 @@ def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
     tuner = KernelTuner(False)
     fresh, gone = {}, []
     for key, e in mine.items():
-        entry = tuner.measure_again(e)
+        entry = tuner.measure_again(e, measure_modes)
         if entry is None:  # a kernel not available here any more: a build measures the shape with what it has
             gone.append(key)
         else:
