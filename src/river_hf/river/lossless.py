@@ -585,7 +585,9 @@ def backbone_step_seconds(model, repeats: int = 3) -> float:
     device = next(model.parameters()).device
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
     times = []
-    with model.river.override(mode=BACKBONE_ONLY), torch.no_grad():
+    # its own recording: these passes are not the call's, so they stay out of its river_stats
+    # (forward passes, weight bytes per token, GB/s)
+    with model.river.recording(), model.river.override(mode=BACKBONE_ONLY), torch.no_grad():
         cache = DynamicCache(config=model.config)
         for i in range(repeats + 1):
             start = time.perf_counter()
