@@ -551,18 +551,18 @@ def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
         if tuner is None:
             return False, {**info, "why": "RIVER_HF_AUTOTUNE=0: not measured, not packed"}
         k_in, k_out = _representative_shape(linears, head)
-        timed_rows = max(2, min(rows, 8))
         stream = min(2 * last_level_cache_bytes(), int(0.1 * available))
-        best, timing = tuner.choose_mode(
-            LinearSpec(k_in, k_out, False), timed_rows, ("torch", "onednn"),
-            lambda: PrepackedLinear.measure(k_in, k_out, timed_rows, stream_bytes=stream))
+
+        def faster(timed_rows: int) -> tuple[str, dict]:  # F.linear or oneDNN at that many rows (cached)
+            return tuner.choose_mode(LinearSpec(k_in, k_out, False), timed_rows, ("torch", "onednn"),
+                                     lambda: PrepackedLinear.measure(k_in, k_out, timed_rows, stream_bytes=stream))
+
+        best, timing = faster(max(2, min(rows, 8)))
         info.update(timing_us=timing, shape=f"{k_in}x{k_out}")
         if best != "onednn":
             return False, {**info, "why": "F.linear measured faster than prepacked oneDNN"}
         info["why"] = "prepacked oneDNN measured faster than F.linear"
-        best, info["prompt_timing_us"] = tuner.choose_mode(
-            LinearSpec(k_in, k_out, False), PROMPT_TIMED_ROWS, ("torch", "onednn"),
-            lambda: PrepackedLinear.measure(k_in, k_out, PROMPT_TIMED_ROWS, stream_bytes=stream))
+        best, info["prompt_timing_us"] = faster(PROMPT_TIMED_ROWS)
         prompt = best == "onednn"
     else:
         info["why"] = "verify_kernel='onednn'"
