@@ -54,6 +54,7 @@ def test_generate_lossless_compare_gives_the_unmodified_tokens(smollm2_path):
     "args, message",
     [
         (["generate", "hi", "--draft-tokens", "3"], "add --lossless"),
+        (["generate", "hi", "--lossless", "--prefill", "route"], "lossless mode always reads it with the backbone"),
         (["generate", "   "], "prompt is empty"),
         (["generate", "hi", "--tau", "fast"], "--tau must be a number"),
         (["generate", "hi", "--model", "no-such-model"], "unknown model"),

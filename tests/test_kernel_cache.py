@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import warnings
 
@@ -352,6 +353,13 @@ def test_cli_list_of_a_named_file_that_is_missing_or_not_a_cache_is_an_error(cac
     bad.write_text("{not json")
     code, _, err = run_cli(capsys, "--list", "--file", str(bad))
     assert code == 2 and "not a kernels.json" in err
+    code, _, err = run_cli(capsys, "--list", "--file", str(tmp_path))
+    assert code == 2 and "a folder, not a file" in err and str(tmp_path / "kernels.json") in err
+    # the same check for the other actions: re-measuring or dropping a file that is not there is an error
+    for action in (["--remeasure", "896x896"], ["--remeasure"]):
+        code, _, err = run_cli(capsys, *action, "--file", str(tmp_path / "missing.json"))
+        assert code == 2 and "no such file" in err and err.count("\n") == 1
+    assert not (tmp_path / "missing.json").exists()
 
 
 def test_alternating_medians_warms_up_untimed_and_reverses_the_order_every_other_round(monkeypatch):
@@ -395,7 +403,8 @@ def test_dense_mode_choices_share_the_exit_kernels_cache_file(cache, monkeypatch
     assert "unknown kernel" in autotune._entry_problem(key, bad)
 
     code, out, _ = run_cli(capsys)
-    assert code == 0 and "128x64 x8 rows" in out and "onednn 2.0" in out
+    assert code == 0 and re.search(r"128x64 +8 float32 +no bias +-> onednn", out) and "onednn 2.0" in out
+    assert re.search(r"128x64 +1 float32", out) and "rows > 1: the fp32 mode of lossless" in out
     monkeypatch.setattr(dense, "measure_modes", lambda names, i, o, rows, **kw: {"torch": 1.0, "onednn": 3.0})
     code, out, _ = run_cli(capsys, "--remeasure", "128x64")
     assert code == 0 and "128x64 x8 rows float32 no bias: torch" in out

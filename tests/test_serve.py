@@ -229,6 +229,8 @@ def test_cli_refuses_continuous_batching_and_a_port_in_use_in_one_line(capsys):
     assert code == 2 and "in use" in err and err.count("\n") == 1
     code, err = run("--draft-tokens", "3")
     assert code == 2 and "--lossless" in err
+    code, err = run("--lossless", "--prefill", "backbone")
+    assert code == 2 and err.count("\n") == 1 and "drop --prefill or --lossless" in err
 
 
 def test_generate_batch_is_refused_with_the_reason():

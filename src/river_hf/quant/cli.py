@@ -66,14 +66,17 @@ def _path(args) -> Path:
 
 def handler(args) -> int:
     path = _path(args)
-    if args.remeasure is None:
-        if args.file:  # a file the user named must be there and be a kernels.json (the default may be absent)
-            from .autotune import read_cache
+    if args.file:  # a file the user named must be there and be a kernels.json (the default may be absent)
+        from .autotune import read_cache
 
-            if not path.is_file():
-                raise RiverError(f"--file {path}: no such file (leave --file out for this machine's cache)")
-            if read_cache(path)[2] is None:
-                raise RiverError(f"--file {path}: not a kernels.json (river-hf's kernel timing cache)")
+        if path.is_dir():
+            raise RiverError(f"--file {path}: a folder, not a file (name the kernels.json inside it, e.g. "
+                             f"--file {path / 'kernels.json'})")
+        if not path.is_file():
+            raise RiverError(f"--file {path}: no such file (leave --file out for this machine's cache)")
+        if read_cache(path)[2] is None:
+            raise RiverError(f"--file {path}: not a kernels.json (river-hf's kernel timing cache)")
+    if args.remeasure is None:
         return list_cache(path, as_json=args.json)
     if not args.remeasure:
         return drop_all(path, as_json=args.json)
@@ -116,13 +119,19 @@ def list_cache(path: Path, *, as_json: bool = False) -> int:
         return 0
     print(f"{path}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}"
           + (f", {len(invalid)} invalid (dropped and measured again at their next use)" if invalid else ""))
+    width = max([len(r["shape"]) for r in rows] + [5])
+    if rows:
+        print(f"  {'shape':>{width}} {'rows':>4} {'dtype':<8} {'bias':<7}    {'kernel':<14} "
+              f"[every candidate, us per call]  measured, load  (status)")
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["measured_at"]))
         load = "load ?" if r["load_avg_1m"] is None else f"load {r['load_avg_1m']:.2f}/{r['cpus']} cores"
         times = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["timings_us"].items(), key=lambda kv: kv[1]))
-        shape = r["shape"] if r["rows"] == 1 else f"{r['shape']} x{r['rows']} rows"
-        print(f"  {shape:>13} {r['dtype']:<8} {'bias' if r['bias'] else 'no bias':<7} -> {r['kernel']:<14} "
-              f"[{times} us]  {when}, {load}  ({r['status']})")
+        print(f"  {r['shape']:>{width}} {r['rows']:>4} {r['dtype']:<8} {'bias' if r['bias'] else 'no bias':<7} -> "
+              f"{r['kernel']:<14} [{times} us]  {when}, {load}  ({r['status']})")
+    if any(r["rows"] > 1 for r in rows):
+        print("  rows 1: an exit Linear's int4/int8 kernel (one-token decode calls); rows > 1: the fp32 mode of "
+              "lossless mode's verify and prompt passes and dLLM-Cache's partial steps")
     for key, why in sorted(invalid.items()):
         print(f"  invalid: {key}: {why}")
     return 0

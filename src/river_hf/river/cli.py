@@ -72,6 +72,9 @@ def _check_args(args) -> float | None:
     river_overrides(args)  # unknown kernel names are refused before the model loads
     if args.draft_tokens is not None and not args.lossless:
         raise RiverError("--draft-tokens sets the lossless mode's draft length; add --lossless")
+    if args.lossless and getattr(args, "prefill", None) is not None:
+        raise RiverError("--prefill chooses where River's lossy mode reads the prompt; lossless mode always reads it "
+                         "with the backbone (its tokens are the unmodified model's): drop --prefill or --lossless")
     if args.tau is None:
         return None
     try:
