@@ -147,6 +147,18 @@ def test_modes_and_set_tau():
     with pytest.raises(ValueError):
         with model.river_mode("sideways"):
             pass
+    with model.river_mode("exit") as same, model.river_strategy("recompute") as also:
+        assert same is model and also is model
+    # called without `with` it changes nothing; it says so instead of failing silently
+    with pytest.warns(RuntimeWarning, match=r"river_mode\('lossless'\) acts only inside a `with` block"):
+        model.river_mode("lossless")
+        import gc
+        gc.collect()
+    with pytest.warns(RuntimeWarning, match="river_strategy"):
+        model.river_strategy("skipdecode")
+        gc.collect()
+    with pytest.raises(ValueError):  # an unknown mode is refused at the call, not only on entering
+        model.river_mode("sideways")
 
 
 def test_rules_compose_in_order():

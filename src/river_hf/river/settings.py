@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 
 from .build import warn_negative_taus
 from .config import check_tau
@@ -17,6 +18,30 @@ from .layer import MODES
 from .strategies import get_strategy
 
 __all__ = ["RiverSettingsMixin"]
+
+
+class _BlockOnly:
+    """What :meth:`RiverSettingsMixin.river_mode` and ``river_strategy`` return: the context manager
+    itself, plus a ``RuntimeWarning`` when it is dropped without ever being entered (a bare
+    ``model.river_mode("lossless")`` changes nothing, and said nothing)."""
+
+    __slots__ = ("_cm", "_model", "_call", "_entered")
+
+    def __init__(self, cm, model, call: str):
+        self._cm, self._model, self._call, self._entered = cm, model, call, False
+
+    def __enter__(self):
+        self._entered = True
+        self._cm.__enter__()
+        return self._model
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+    def __del__(self):
+        if not self._entered:
+            warnings.warn(f"model.{self._call} acts only inside a `with` block (with model.{self._call}: ...); "
+                          "called alone it changed nothing", RuntimeWarning, stacklevel=2)
 
 
 class RiverSettingsMixin:
@@ -41,7 +66,6 @@ class RiverSettingsMixin:
         rc = self.river_config
         self.river_config = dataclasses.replace(rc, tau=tau, rules=None if rc.rules is None else rules.to_list())
 
-    @contextlib.contextmanager
     def river_mode(self, mode: str):
         """Within the block, this thread's calls run in ``mode``:
 
@@ -61,8 +85,7 @@ class RiverSettingsMixin:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-        with self.river.override(mode=mode):
-            yield self
+        return _BlockOnly(self.river.override(mode=mode), self, f"river_mode({mode!r})")
 
     def set_river_strategy(self, strategy: str) -> None:
         """From now on, the layers after an exit do what ``strategy`` says (River's exit layers, or
@@ -77,7 +100,6 @@ class RiverSettingsMixin:
         self.river_config = dataclasses.replace(self.river_config, strategy=name)  # validates
         self.river.strategy = name
 
-    @contextlib.contextmanager
     def river_strategy(self, strategy: str):
         """Within the block, this thread's calls use ``strategy`` for the layers after an exit
         (``"river"``: the exit layers; ``"recompute"``, ``"skipdecode"``, ``"state-propagation"``,
@@ -87,8 +109,7 @@ class RiverSettingsMixin:
         Raises:
             RiverError: an unknown strategy.
         """
-        with self.river.override(strategy=get_strategy(strategy)):
-            yield self
+        return _BlockOnly(self.river.override(strategy=get_strategy(strategy)), self, f"river_strategy({strategy!r})")
 
     @contextlib.contextmanager
     def river_tau_override(self, tau: float | None, stacklevel: int = 1):
