@@ -80,8 +80,11 @@ class RiverSettingsMixin:
         Other threads keep their mode (per-call state). ``RiverConfig.lossless`` makes
         ``"lossless"`` the model's own mode.
 
+        Returns a context manager whose ``with ... as m`` gives the model; dropped without being
+        entered it warns (``RuntimeWarning``), since it then changed nothing.
+
         Raises:
-            ValueError: an unknown mode.
+            ValueError: an unknown mode (at the call).
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -106,8 +109,11 @@ class RiverSettingsMixin:
         ``"kv-mask"``: the baselines of :mod:`river_hf.river.strategies`); the exit rule, τ and the
         head stay the same. Other threads keep theirs.
 
+        Returns a context manager as :meth:`river_mode` does (a ``RuntimeWarning`` when dropped
+        without being entered).
+
         Raises:
-            RiverError: an unknown strategy.
+            RiverError: an unknown strategy (at the call).
         """
         return _BlockOnly(self.river.override(strategy=get_strategy(strategy)), self, f"river_strategy({strategy!r})")
 
