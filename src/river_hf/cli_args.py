@@ -75,6 +75,20 @@ def river_overrides(args) -> dict:
     return out
 
 
+def check_lossless_flags(args) -> None:
+    """The flags that only mean something with or without ``--lossless`` (``generate`` and ``serve``).
+
+    Raises:
+        RiverError: ``--draft-tokens`` without ``--lossless``; ``--prefill`` with it (lossless mode
+            always reads the prompt with the backbone).
+    """
+    if getattr(args, "draft_tokens", None) is not None and not args.lossless:
+        raise RiverError("--draft-tokens sets the lossless mode's draft length; add --lossless")
+    if args.lossless and getattr(args, "prefill", None) is not None:
+        raise RiverError("--prefill chooses where River's lossy mode reads the prompt; lossless mode always reads it "
+                         "with the backbone (its tokens are the unmodified model's): drop --prefill or --lossless")
+
+
 def parse_taus(values) -> list[float]:
     """τ values from CLI strings: each may be one number or a comma list (``["2", "0.95,0.9"]``).
 

@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import RiverError
-from ..cli_args import add_river_arguments, positive_int, river_overrides
+from ..cli_args import add_river_arguments, check_lossless_flags, positive_int, river_overrides
 from ..models import encode_prompt
 from .cli_common import BACKBONE_REFERENCE, TOKENIZER_FILES, check_model, unmodified  # noqa: F401  (old home)
 
@@ -70,11 +70,7 @@ def _check_args(args) -> float | None:
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise RiverError("--device cuda was asked for, but this torch build sees no CUDA GPU; use --device cpu")
     river_overrides(args)  # unknown kernel names are refused before the model loads
-    if args.draft_tokens is not None and not args.lossless:
-        raise RiverError("--draft-tokens sets the lossless mode's draft length; add --lossless")
-    if args.lossless and getattr(args, "prefill", None) is not None:
-        raise RiverError("--prefill chooses where River's lossy mode reads the prompt; lossless mode always reads it "
-                         "with the backbone (its tokens are the unmodified model's): drop --prefill or --lossless")
+    check_lossless_flags(args)
     if args.tau is None:
         return None
     try:

@@ -15,7 +15,7 @@ import math
 import socket
 import sys
 
-from ..cli_args import add_river_arguments, parse_taus, positive_int, river_overrides
+from ..cli_args import add_river_arguments, check_lossless_flags, parse_taus, positive_int, river_overrides
 from ..errors import RiverError
 
 #: The packages ``transformers.cli.serving`` needs (transformers' ``is_serve_available``).
@@ -71,11 +71,7 @@ def check_args(args) -> dict:
         raise RiverError(NO_CONTINUOUS_BATCHING)
     if not 0 <= args.port <= 65535:
         raise RiverError(f"--port must be from 0 to 65535, got {args.port}")
-    if args.draft_tokens is not None and not args.lossless:
-        raise RiverError("--draft-tokens sets the lossless mode's draft length; add --lossless")
-    if args.lossless and getattr(args, "prefill", None) is not None:
-        raise RiverError("--prefill chooses where River's lossy mode reads the prompt; lossless mode always reads it "
-                         "with the backbone (its tokens are the unmodified model's): drop --prefill or --lossless")
+    check_lossless_flags(args)
     if args.device is not None and args.device != "cpu" and not args.device.startswith("cuda"):
         raise RiverError(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
     settings = river_overrides(args)
