@@ -155,7 +155,7 @@ def test_modes_and_set_tau():
         import gc
         gc.collect()
     with pytest.warns(RuntimeWarning, match="river_strategy"):
-        model.river_strategy("skipdecode")
+        assert "acts only in `with model.river_strategy('skipdecode')" in repr(model.river_strategy("skipdecode"))
         gc.collect()
     with pytest.raises(ValueError):  # an unknown mode is refused at the call, not only on entering
         model.river_mode("sideways")

@@ -38,6 +38,9 @@ class _BlockOnly:
     def __exit__(self, *exc):
         return self._cm.__exit__(*exc)
 
+    def __repr__(self) -> str:
+        return f"<model.{self._call}: a context manager; it acts only in `with model.{self._call}: ...`>"
+
     def __del__(self):
         if not self._entered:
             warnings.warn(f"model.{self._call} acts only inside a `with` block (with model.{self._call}: ...); "
