@@ -6,10 +6,8 @@ view tracking, which is per-op dispatch work — most of a fully quantized step 
 run; for each mode (``--modes``, River router modes), an untimed warm-up of both, then ``--repeats``
 rounds of the two, order alternating; per mode the wall time of each run, and the per-round ratio
 (no_grad / inference_mode) as median (min-max), and whether the tokens are identical. River's
-``CastMemo`` reads a tensor's version counter, which inference tensors lack; inside inference mode
-this script lets the memo key on identity alone (nothing modifies a layer input in place between
-its sibling Linears), only to measure — the library does not. quanto's int4 kernels fail inside
-inference mode (they set a version counter); a mode that raises is reported with its error.
+``CastMemo`` keys on identity alone for inference tensors (they have no version counter); quanto's
+int4 kernels fail inside inference mode (they set a version counter); a mode that raises is reported with its error.
 
     python benchmarks/inference_mode.py --model qwen2.5-coder-0.5b --modes exit,lossless \\
         --new-tokens 64 --repeats 5 --out docs/results/inference_mode_<model>.json
@@ -42,22 +40,8 @@ def main(argv=None) -> int:
 
     from river_hf import RiverForCausalLM, resolve
     from river_hf.eval.common import write_json
-    from river_hf.quant import modules as qm
     from river_hf.quant.autotune import load_average
 
-    plain_cast = qm.CastMemo.cast
-
-    def cast(self, x, dtype):
-        if x.is_inference():
-            entry = self.entry
-            if entry is not None and x is entry[0] and entry[2].dtype == dtype:
-                return entry[2]
-            y = x.to(dtype)
-            self.entry = (x, None, y)
-            return y
-        return plain_cast(self, x, dtype)
-
-    qm.CastMemo.cast = cast
     tok = AutoTokenizer.from_pretrained(resolve(args.model, progress=False))
     kwargs = {}
     if args.backend:

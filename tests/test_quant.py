@@ -98,6 +98,30 @@ def test_cast_memo_reuses_one_cast_and_sees_inplace_changes():
     assert b is not a and torch.allclose(b.float(), x, atol=0.05)
 
 
+def test_cast_memo_works_on_inference_tensors():
+    """Inside torch.inference_mode() tensors have no version counter; the memo keys on identity."""
+    memo = CastMemo()
+    with torch.inference_mode():
+        x = torch.randn(1, 4)
+        a = memo.cast(x, torch.bfloat16)
+        assert memo.cast(x, torch.bfloat16) is a
+        assert memo.cast(torch.randn(1, 4), torch.bfloat16) is not a
+
+
+@pytest.mark.parametrize("name", ["torch-int8", "torch-int4"])
+def test_exit_path_generates_inside_inference_mode(name):
+    """A user's ``with torch.inference_mode(): model.generate(...)`` on the exit path gives the
+    tokens of the same call under no_grad (it raised "Inference tensors do not track version
+    counter" from the cast shared by sibling projections)."""
+    model = enable_river(tiny("qwen2"), backend=name, progress=False)
+    with model.river_mode("exit"):
+        with torch.no_grad():
+            expected = model.generate(**prompt(2), max_new_tokens=6, do_sample=False)
+        with torch.inference_mode():
+            got = model.generate(**prompt(2), max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, expected)
+
+
 def test_cli_kernel_names_are_the_backends():
     assert set(KERNEL_CHOICES) == set(BACKENDS)
 

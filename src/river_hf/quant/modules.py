@@ -25,6 +25,11 @@ class CastMemo:
     compute dtype once and hands the same cast to its siblings. The tensor's identity *and* its
     version counter must match, so an input modified in place is cast again. Safe when several
     threads run the same layer: the memo is one tuple, read and replaced whole.
+
+    Inside ``torch.inference_mode()`` the input is an inference tensor, which has no version
+    counter: the memo then keys on identity alone (as :class:`~river_hf.quant.fused.FusedProjection`
+    does). Nothing in a decoder layer modifies the normed input in place between its sibling
+    projections.
     """
 
     __slots__ = ("entry",)
@@ -34,10 +39,11 @@ class CastMemo:
 
     def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         entry = self.entry  # one read: another thread may replace the entry, never half of it
-        if entry is not None and x is entry[0] and x._version == entry[1] and entry[2].dtype == dtype:
+        version = None if x.is_inference() else x._version  # inference tensors have no version counter
+        if entry is not None and x is entry[0] and version == entry[1] and entry[2].dtype == dtype:
             return entry[2]
         y = x.to(dtype)
-        self.entry = (x, x._version, y)
+        self.entry = (x, version, y)
         return y
 
 
