@@ -91,3 +91,31 @@ def test_onednn_methods_run_and_report_their_packed_copy(tiny_folder, tmp_path):
     assert report["onednn_packed_bytes"] > 0
     assert report["onednn_copy"] in ("lossless mode's verify copy, shared", "its own copy")
     assert all(len(t[0]) == 3 for t in report["tokens"].values())
+
+
+def test_llama_cpp_step_bytes_count_one_embedding_row_when_the_head_is_separate(tmp_path):
+    """benchmarks/llama_cpp_run.gguf_tensor_bytes: a decode step reads one row of token_embd when
+    the GGUF has its own output.weight (the 0.5B Q4_K_M file's 93.6 MB table had been counted whole),
+    and the whole table when it is the head (tied, no output.weight)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    run = load_benchmark("llama_cpp_run")
+    embd = np.ones((10, 4), np.float32)  # 10 rows of 4: 160 bytes, 16 a row
+    layer = np.ones((3, 4), np.float32)  # 48 bytes
+
+    def write(name, with_output):
+        path = str(tmp_path / name)
+        w = GGUFWriter(path, "llama")
+        w.add_tensor("token_embd.weight", embd)
+        w.add_tensor("blk.0.ffn_up.weight", layer)
+        if with_output:
+            w.add_tensor("output.weight", embd)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    assert run.gguf_tensor_bytes(write("untied.gguf", True)) == 16 + 48 + 160
+    assert run.gguf_tensor_bytes(write("tied.gguf", False)) == 160 + 48
