@@ -34,10 +34,14 @@ class Script:
     def __init__(self, **us):
         self.us = {k.replace("_", "-"): v for k, v in us.items()}
         self.calls = []
+        self.prompt_calls = []
 
-    def __call__(self, tuner, candidates, linear):
+    def __call__(self, tuner, candidates, linear, rows=1):
         spec = autotune.LinearSpec.of(linear)
-        self.calls.append(spec.shape)
+        if rows == 1:  # one-row choices are counted; a prompt-kernel measurement (rows > 1) is not
+            self.calls.append(spec.shape)
+        else:
+            self.prompt_calls.append(spec.shape)
         return {k.name: self.us.get(k.name, 100.0) for k in candidates}
 
 
@@ -52,7 +56,7 @@ def cache(tmp_path, monkeypatch):
 
 def script(monkeypatch, **us) -> Script:
     s = Script(**us)
-    monkeypatch.setattr(KernelTuner, "measure", lambda tuner, candidates, linear: s(tuner, candidates, linear))
+    monkeypatch.setattr(KernelTuner, "measure", lambda tuner, candidates, linear, rows=1: s(tuner, candidates, linear, rows))
     return s
 
 

@@ -226,7 +226,7 @@ def measured(tmp_path, monkeypatch):
     monkeypatch.setenv("RIVER_HF_AUTOTUNE", "1")
     monkeypatch.setattr(autotune, "load_average", lambda: 0.1)
     us = {"ort-int4": 10.0, "torch-int4": 20.0}
-    monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear: {k.name: us.get(k.name, 50.0)
+    monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear, rows=1: {k.name: us.get(k.name, 50.0)
                                                                                    for k in candidates})
 
 
@@ -310,3 +310,81 @@ def test_a_named_kernel_whose_library_is_missing_is_one_clear_error(monkeypatch,
     without(monkeypatch, name.split("-")[0] + "-")
     with pytest.raises(RiverError, match=needs):
         enable_river(tiny("llama"), tau=0.9, backend=name, exit_head=name, progress=False)
+
+
+# -- prompt kernels --------------------------------------------------------------------------------
+
+
+class _Counted(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear, self.calls = linear, []
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):
+        self.calls.append(x.numel() // self.in_features)
+        return self.linear(x)
+
+
+def test_prompt_rows_linear_sends_large_calls_to_the_prompt_kernel():
+    from river_hf.quant.modules import PromptRowsLinear
+
+    torch.manual_seed(0)
+    base = nn.Linear(64, 32)
+    decode, prompt_ = _Counted(base), _Counted(base)
+    both = PromptRowsLinear(decode, prompt_, min_rows=16)
+    for shape in [(1, 1, 64), (2, 1, 64), (1, 15, 64), (1, 16, 64), (3, 40, 64)]:
+        assert both(torch.randn(*shape)).shape == (*shape[:-1], 32)
+    assert decode.calls == [1, 2, 15] and prompt_.calls == [16, 120]
+    q = KERNELS["torch-int4"].build(nn.Linear(128, 64))
+    wrapped = PromptRowsLinear(q, KERNELS["torch-int8"].build(nn.Linear(128, 64)), 16)
+    assert linear_weight_bytes(wrapped) == linear_weight_bytes(q)  # a decode step reads only the decode copy
+    assert kernel_name(wrapped) == "torch-int4"
+
+
+def test_prompt_kernel_is_added_where_it_measures_faster_and_serves_only_prompts(measured):
+    """Scripted timings make ort-int4 faster at 128 rows: each exit Linear it packs gets it as its prompt
+    kernel; a 20-token prompt pass in exit mode runs on it, the decode steps on the one-row kernel, and
+    the backbone (tau > 1) still gives the plain model's tokens."""
+    need("ort-int4")
+    from river_hf.quant.autotune import read_cache
+    from river_hf.quant.modules import PromptRowsLinear
+
+    plain = tiny("qwen2")
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = plain.generate(ids, max_new_tokens=5, do_sample=False)
+    assert not any(isinstance(m, PromptRowsLinear) for m in enable_river(tiny("qwen2"), tau=2.0, backend="int4",
+                                                                          progress=False).modules())  # off by default
+    from river_hf.river import RiverConfig
+
+    model = enable_river(plain, config=RiverConfig(tau=2.0, backend="int4", prompt_kernel=True), progress=False)
+    wrapped = [m for m in model.modules() if isinstance(m, PromptRowsLinear)]
+    assert len(wrapped) == 3 * 7  # every exit Linear of the 3 layers (all pack on onnxruntime here)
+    rows = [r for r in model.river_kernel_report if r.get("prompt_kernel")]
+    assert len(rows) == 21 and all(r["prompt_kernel"] == "ort-int4" and r["prompt_relative_error"] < 0.2 for r in rows)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), expected)  # tau > 1: the backbone
+    for m in wrapped:
+        m.decode, m.prompt = _Counted(m.decode), _Counted(m.prompt)
+    with torch.no_grad(), model.river_mode("exit"):
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert all(m.prompt.calls == [20] and m.decode.calls == [1, 1, 1] for m in wrapped)
+    entries, invalid, _ = read_cache(autotune.KernelTuner().cache_file)
+    assert not invalid and any(e.get("rows") == 128 and "ort-int4" in e["timings_us"] for e in entries.values())
+
+
+def test_prompt_kernel_off_or_slower_adds_nothing(measured, monkeypatch):
+    need("ort-int4")
+    from river_hf.quant.modules import PromptRowsLinear
+    from river_hf.river import RiverConfig
+
+    off = enable_river(tiny("qwen2"), config=RiverConfig(tau=0.9, backend="int4", prompt_kernel=False), progress=False)
+    assert not any(isinstance(m, PromptRowsLinear) for m in off.modules())
+    us = {"ort-int4": 90.0, "torch-int4": 20.0}
+    monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear, rows=1: {k.name: us.get(k.name, 50.0)
+                                                                                   for k in candidates})
+    slower = enable_river(tiny("qwen2"), config=RiverConfig(tau=0.9, backend="int4", prompt_kernel=True), progress=False)
+    assert not any(isinstance(m, PromptRowsLinear) for m in slower.modules())
+    with pytest.raises(Exception, match="prompt_kernel must be true or false"):
+        RiverConfig(prompt_kernel="yes")

@@ -24,8 +24,8 @@ candidate set, so a second build on the same machine measures nothing. The file:
         "timings_us": {"torch-int4": 195.0, "quanto-int4": 216.0}, "kernel": "torch-int4",
         "measured_at": 1764550000.0, "load_avg_1m": 0.4, "cpus": 2, "river_hf_version": "0.1.0"}}}
 
-``timings_us``: median µs per one-token call (per ``rows``-row call in an entry of a dense mode, which
-also has ``"rows": R`` and ``|rows=R`` at the end of its key); ``measured_at``: Unix time; ``load_avg_1m``: the
+``timings_us``: median µs per one-token call (per ``rows``-row call in an entry of a dense mode or of an
+exit Linear's prompt-kernel choice, which also has ``"rows": R`` and ``|rows=R`` at the end of its key); ``measured_at``: Unix time; ``load_avg_1m``: the
 1-minute load average when the measurement started (None where the OS has none); ``cpus``: the
 cores this process may run on. An entry is **not trusted** and is measured again at its next use when:
 it does not parse (wrong types, a timing that is not a finite positive number, a kernel this
@@ -220,7 +220,8 @@ def _entry_problem(key: str, entry) -> str | None:
     rows = entry.get("rows", 1)
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
         return "field 'rows' is not a positive integer"
-    known = KERNELS if rows == 1 else DENSE_MODES
+    # rows > 1: an entry of dense modes (lossless verify, ...) or of weight-only kernels (a prompt-kernel choice), not mixed
+    known = DENSE_MODES if rows > 1 and any(k in DENSE_MODES for k in timings) else KERNELS
     unknown = sorted(str(k) for k in timings if k not in known)
     if unknown:
         return f"unknown kernel(s) {', '.join(unknown)}"
@@ -407,14 +408,16 @@ class KernelTuner:
         if merged is not None:
             self._choices.update(merged)  # what other processes measured meanwhile
 
-    def choose(self, candidates, linear: nn.Linear) -> tuple:
+    def choose(self, candidates, linear: nn.Linear, rows: int = 1) -> tuple:
         """The fastest of ``candidates`` (:class:`~river_hf.quant.kernels.WeightOnlyKernel`) for
-        ``linear``'s shape and dtype; returns ``(kernel, {kernel name: µs per call})``. A cached
-        entry is used when it is valid and trusted (module docstring), else the shape is measured
-        and the entry replaced."""
+        ``linear``'s shape and dtype, in calls of ``rows`` rows (1: a decode step's one token; more:
+        a prompt kernel's choice); returns ``(kernel, {kernel name: µs per call})``. A cached entry
+        is used when it is valid and trusted (module docstring), else the shape is measured and the
+        entry replaced."""
         by_name = {k.name: k for k in candidates}
-        timings = self._cached_or_measured(LinearSpec.of(linear), 1, list(by_name),
-                                           lambda spec: self.measure(candidates, spec))
+        timings = self._cached_or_measured(LinearSpec.of(linear), rows, list(by_name),
+                                           lambda spec: self.measure(candidates, spec, rows) if rows != 1
+                                           else self.measure(candidates, spec))
         return by_name[min(timings, key=timings.get)], timings
 
     def choose_mode(self, linear, rows: int, candidates, measure) -> tuple[str, dict[str, float]]:
@@ -473,6 +476,11 @@ class KernelTuner:
         spec = LinearSpec(*dims, entry["bias"], getattr(torch, entry["dtype"]))
         rows = entry.get("rows", 1)
         load, cpus = load_average(), usable_cpus()
+        if rows != 1 and all(n in KERNELS for n in entry["candidates"]):  # an exit Linear's prompt-kernel entry
+            candidates = [KERNELS[n] for n in entry["candidates"]]
+            if not all(k.available(spec.device.type) for k in candidates):
+                return None
+            return _entry(spec, rows, entry["candidates"], self.measure(candidates, spec, rows), load, cpus)
         if rows != 1:  # a dense mode's entry (lossless verify, dLLM-Cache partial steps)
             try:
                 timings = measure_modes(entry["candidates"], *dims, rows)
@@ -484,10 +492,11 @@ class KernelTuner:
             return None
         return _entry(spec, 1, entry["candidates"], self.measure(candidates, spec), load, cpus)
 
-    def measure(self, candidates, linear) -> dict[str, float]:
-        """Median µs per one-token call of each candidate on ``linear`` (an ``nn.Linear`` or
-        :class:`LinearSpec`: only its shape, bias, dtype and device matter), weights streamed from
-        memory, candidates alternating from one round to the next."""
+    def measure(self, candidates, linear, rows: int = 1) -> dict[str, float]:
+        """Median µs per call of ``rows`` rows (one token each) of each candidate on ``linear`` (an
+        ``nn.Linear`` or :class:`LinearSpec`: only its shape, bias, dtype and device matter),
+        weights streamed from memory at one row (a multi-row call is bound by arithmetic: two
+        copies), candidates alternating from one round to the next."""
         spec = LinearSpec.of(linear)
         device, dtype = spec.device, spec.dtype
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -497,21 +506,22 @@ class KernelTuner:
             probe.weight.copy_(torch.randn(probe.weight.shape, generator=gen).to(dtype) * 0.02)
             if probe.bias is not None:
                 probe.bias.zero_()
-            built = [(k.name, self._copies(k, probe)) for k in candidates]
+            built = [(k.name, self._copies(k, probe, 1 if rows == 1 else 2)) for k in candidates]
         del probe
-        x = torch.randn(1, 1, spec.in_features, generator=gen).to(device=device, dtype=dtype)
+        x = torch.randn(1, rows, spec.in_features, generator=gen).to(device=device, dtype=dtype)
         runs = {name: (lambda copies=copies: [m(x) for m in copies]) for name, copies in built}
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         return alternating_medians(runs, self.rounds, {name: len(copies) for name, copies in built}, sync=sync)
 
-    def _copies(self, kernel, probe: nn.Linear) -> list[nn.Module]:
+    def _copies(self, kernel, probe: nn.Linear, at_most: int | None = None) -> list[nn.Module]:
         """Enough separate copies of the kernel's module that one pass over them reads
-        ``stream_bytes`` of weights (a decode step reads every weight once: none stays in cache)."""
+        ``stream_bytes`` of weights (a decode step reads every weight once: none stays in cache),
+        and no more than ``at_most`` (default ``max_copies``)."""
         from .kernels import linear_weight_bytes
 
         first = kernel.build(probe)
         n = max(1, -(-self.stream_bytes // max(linear_weight_bytes(first), 1)))
-        n = min(n, self.max_copies)
+        n = min(n, self.max_copies if at_most is None else at_most)
         return [first] + [kernel.build(probe) for _ in range(n - 1)]
 
 

@@ -131,7 +131,8 @@ def list_cache(path: Path, *, as_json: bool = False) -> int:
               f"{r['kernel']:<14} [{times} us]  {when}, {load}  ({r['status']})")
     if any(r["rows"] > 1 for r in rows):
         print("  rows 1: an exit Linear's int4/int8 kernel (one-token decode calls); rows > 1: the fp32 mode of "
-              "lossless mode's verify and prompt passes and dLLM-Cache's partial steps")
+              "lossless mode's verify and prompt passes and dLLM-Cache's partial steps, or (int4/int8 kernels) an "
+              "exit Linear's prompt kernel")
     for key, why in sorted(invalid.items()):
         print(f"  invalid: {key}: {why}")
     return 0

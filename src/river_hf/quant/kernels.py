@@ -52,6 +52,15 @@ Kernel *choices* (what ``RiverConfig.backend`` / ``exit_head`` name, see :func:`
     any kernel name above: that kernel for every Linear (``quanto`` is kept as a name for
     ``quanto-int4``).
 
+Prompt kernels: a measured choice (``int4``/``int8``) built with ``prompt=True`` (``RiverConfig.prompt_kernel``,
+off by default) also measures, per shape, its one-row kernel against :data:`PROMPT_KERNELS` at
+:data:`PROMPT_ROWS` rows; where another kernel is faster there, the exit Linear becomes a
+:class:`~river_hf.quant.modules.PromptRowsLinear`: the one-row kernel for decode steps, the prompt
+kernel for calls of :data:`PROMPT_MIN_ROWS` rows or more (a prompt pass through the exit layers),
+at the cost of a second copy of those weights. onnxruntime's pool costs little there: one call per
+Linear per prompt, each milliseconds long. Without a tuner (``RIVER_HF_AUTOTUNE=0``) nothing is
+measured and no prompt kernel is added.
+
 A measured choice is a property of the machine, and kernels of one width still differ in their
 numerics (different rounding, scale dtypes, accumulation order), so the tokens depend on it.
 :class:`KernelPlan` therefore records the kernel each measured shape got while a model is built
@@ -72,8 +81,8 @@ from torch import nn
 
 from ..errors import RiverError
 from .external import ArkWoqLinear, DynamicInt8Linear, OrtMatMulNBitsLinear, ark_works, dynamic_int8_works, ort_works
-from .modules import (CastLinear, CastMemo, Int4WeightOnlyLinear, Int8WeightOnlyLinear, fast_kernel_fraction,  # noqa: F401
-                      kernel_name, linear_weight_bytes, relative_error)
+from .modules import (CastLinear, CastMemo, Int4WeightOnlyLinear, Int8WeightOnlyLinear, PromptRowsLinear,  # noqa: F401
+                      fast_kernel_fraction, kernel_name, linear_weight_bytes, relative_error)
 
 __all__ = [
     "WeightOnlyKernel",
@@ -90,6 +99,10 @@ __all__ = [
     "relative_error",
     "KernelPlan",
     "shape_key",
+    "PromptRowsLinear",
+    "PROMPT_ROWS",
+    "PROMPT_MIN_ROWS",
+    "PROMPT_KERNELS",
 ]
 
 
@@ -232,12 +245,14 @@ class KernelChoice:
             d["candidates"] = [k.name for k in self.candidates]
         return d
 
-    def build_layer(self, layer: nn.Module, tuner=None, *, report: list | None = None, prefix: str = "") -> nn.Module:
+    def build_layer(self, layer: nn.Module, tuner=None, *, report: list | None = None, prefix: str = "",
+                    prompt: bool = False) -> nn.Module:
         """A copy of decoder ``layer`` whose ``nn.Linear`` children run on this choice's kernels.
 
         The copy keeps every attribute of the original (``layer_idx``, ``attention_type``, ...), so
         its attention writes to the same KV-cache slot; its Linears share one :class:`CastMemo`.
         ``report`` (when given) gets one dict per Linear (name, shape, kernel, timings).
+        ``prompt``: also give each Linear a prompt kernel where one measures faster (module docstring).
         """
         exit_layer = copy.deepcopy(layer)
         if self.name == "copy":
@@ -245,22 +260,45 @@ class KernelChoice:
         memo = CastMemo()
         linears = [(n, m) for n, m in exit_layer.named_modules() if type(m) is nn.Linear]
         for name, linear in linears:
-            new, row = self.build_linear(linear, tuner, memo=memo)
+            new, row = self.build_linear(linear, tuner, memo=memo, prompt=prompt)
             parent_name, _, child = name.rpartition(".")
             setattr(exit_layer.get_submodule(parent_name) if parent_name else exit_layer, child, new)
             if report is not None:
                 report.append({"name": f"{prefix}{name}", **row})
         return exit_layer
 
-    def build_linear(self, linear: nn.Linear, tuner=None, *, memo: CastMemo | None = None) -> tuple[nn.Module, dict]:
-        """Build ``linear``'s copy on the chosen kernel; returns it and a report row."""
+    def build_linear(self, linear: nn.Linear, tuner=None, *, memo: CastMemo | None = None,
+                     prompt: bool = False) -> tuple[nn.Module, dict]:
+        """Build ``linear``'s copy on the chosen kernel; returns it and a report row. ``prompt``: add
+        a prompt kernel where one measures faster at :data:`PROMPT_ROWS` rows (module docstring;
+        the row then has ``prompt_kernel``, ``prompt_us_per_call`` and ``prompt_relative_error``)."""
         kernel, timings = self.pick(linear, tuner)
         new = kernel.build(linear, memo=memo)
         row = {"in_features": linear.in_features, "out_features": linear.out_features, "kernel": kernel.name,
                "relative_error": relative_error(linear, new)}
         if timings:
             row["us_per_call"] = timings
+        if prompt:
+            new = self._with_prompt_kernel(linear, kernel, new, tuner, row)
         return new, row
+
+    def _with_prompt_kernel(self, linear: nn.Linear, kernel: WeightOnlyKernel, new: nn.Module, tuner,
+                            row: dict) -> nn.Module:
+        measurer = tuner.tuner if isinstance(tuner, KernelPlan) else tuner
+        if not self.measured or measurer is None:
+            return new
+        device = linear.weight.device
+        others = [KERNELS[n] for n in PROMPT_KERNELS.get(self.bits, ())
+                  if n != kernel.name and KERNELS[n].supports(linear) and KERNELS[n].available(device)]
+        if not others:
+            return new
+        fastest, timings = measurer.choose([kernel, *others], linear, rows=PROMPT_ROWS)
+        if fastest is kernel:
+            return new
+        prompt_copy = fastest.build(linear)
+        row.update(prompt_kernel=fastest.name, prompt_us_per_call=timings,
+                   prompt_relative_error=relative_error(linear, prompt_copy, rows=PROMPT_ROWS))
+        return PromptRowsLinear(new, prompt_copy, PROMPT_MIN_ROWS)
 
     @property
     def measured(self) -> bool:
@@ -396,6 +434,13 @@ class KernelPlan:
             "(install the missing kernel's package, or save the folder again on this machine)",
             UserWarning, stacklevel=stacklevel + 1)
 
+
+#: rows at which a prompt kernel is measured against the one-row choice (a short prompt's length)
+PROMPT_ROWS = 128
+#: calls of at least this many rows run on the prompt kernel (a decode step has one row per sequence)
+PROMPT_MIN_ROWS = 16
+#: the prompt-kernel candidates per weight width (measured against the width's one-row choice)
+PROMPT_KERNELS = {4: ("ort-int4",), 8: ("ort-int8",)}
 
 #: the fixed-kernel names, and the two measured choices. ``quanto`` is the old name of ``quanto-int4``.
 BACKENDS: dict[str, KernelChoice] = {

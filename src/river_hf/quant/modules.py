@@ -14,8 +14,8 @@ from torch import nn
 
 from ..errors import RiverError
 
-__all__ = ["CastMemo", "CastLinear", "Int8WeightOnlyLinear", "Int4WeightOnlyLinear", "relative_error", "kernel_name",
-           "linear_weight_bytes", "fast_kernel_fraction"]
+__all__ = ["CastMemo", "CastLinear", "Int8WeightOnlyLinear", "Int4WeightOnlyLinear", "PromptRowsLinear", "relative_error",
+           "kernel_name", "linear_weight_bytes", "fast_kernel_fraction"]
 
 
 class CastMemo:
@@ -173,6 +173,42 @@ class Int4WeightOnlyLinear(nn.Module):
         return _to_dtype_plus_bias(y.reshape(*x.shape[:-1], self.out_features), x.dtype, self.bias)
 
 
+class PromptRowsLinear(nn.Module):
+    """One exit Linear on two kernels: ``decode`` for calls of fewer than ``min_rows`` rows (a decode
+    step's one token), ``prompt`` for larger ones (a prompt pass through the exit layers).
+
+    A one-row weight product is bound by reading the weights, a prompt's by arithmetic: tinygemm,
+    the fastest one-row int4 kernel inside a decode step here, is 2-3.5x slower than onnxruntime's
+    ``MatMulNBits`` (int8 dot products) at 185 rows (docs/profile.md). Both copies quantize the same
+    weights to the same width and block size (their grids round the zero point differently, and the
+    prompt kernel quantizes activations to int8), so a prompt's exit-layer K/V differ from what the
+    decode kernel would give by kernel rounding; ``relative_error`` of each is in the kernel report.
+
+    Args:
+        decode: the one-row kernel's module (its weight bytes are what a decode step reads).
+        prompt: the multi-row kernel's module (a second copy of the weights, in its own layout).
+        min_rows: calls with at least this many rows (``x.numel() / in_features``) use ``prompt``.
+
+    ``forward(x)``: ``x [..., in_features]`` -> ``[..., out_features]``, x's dtype.
+    """
+
+    def __init__(self, decode: nn.Module, prompt: nn.Module, min_rows: int):
+        super().__init__()
+        self.decode = decode
+        self.prompt = prompt
+        self.min_rows = int(min_rows)
+        self.in_features = prompt.in_features
+        self.out_features = prompt.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= self.min_rows * self.in_features:
+            return self.prompt(x)
+        return self.decode(x)
+
+    def extra_repr(self) -> str:
+        return f"min_rows={self.min_rows}"
+
+
 @torch.no_grad()
 def relative_error(linear: nn.Linear, copy_: nn.Module, rows: int = 4) -> float:
     """``||copy(x) - linear(x)|| / ||linear(x)||`` for ``x ~ N(0, 1)`` of shape ``[rows, in_features]``
@@ -184,7 +220,10 @@ def relative_error(linear: nn.Linear, copy_: nn.Module, rows: int = 4) -> float:
 
 
 def kernel_name(module: nn.Module) -> str:
-    """The kernel a built Linear copy runs on (``torch-int8``, ``quanto-int4``, ``dense`` ...)."""
+    """The kernel a built Linear copy runs on (``torch-int8``, ``quanto-int4``, ``dense`` ...); a
+    :class:`PromptRowsLinear` is named by its decode kernel (what a decode step runs)."""
+    if isinstance(module, PromptRowsLinear):
+        module = module.decode
     inner = module.inner if isinstance(module, CastLinear) else module
     named = getattr(inner, "river_kernel", None)  # the modules of .external name their kernel
     if isinstance(named, str):
@@ -206,10 +245,15 @@ def linear_weight_bytes(module: nn.Module) -> int:
     Counts packed integer data, scales and zero points (torch-int8/int4 buffers, quanto's inner
     tensors, what an ``ort-*`` / ``ark-*`` / ``torch-dyn-int8`` module's ``weight_nbytes()``
     reports) and the plain weight (and bias) bytes of dense Linears. Used for the achieved
-    bandwidth figure (bytes per step x steps per second).
+    bandwidth figure (bytes per step x steps per second). Of a :class:`PromptRowsLinear` only the
+    decode copy counts (a decode step does not read the prompt kernel's copy).
     """
     total = 0
+    skip = {id(m.prompt) for m in module.modules() if isinstance(m, PromptRowsLinear)}
+    skip = {id(sub) for m in module.modules() if id(m) in skip for sub in m.modules()}
     for m in module.modules():
+        if id(m) in skip:
+            continue
         if isinstance(m, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
             total += sum(_tensor_bytes(b) for b in m.buffers(recurse=False))
         elif callable(getattr(m, "weight_nbytes", None)):  # the modules of .external (weights outside torch)

@@ -189,17 +189,18 @@ def build_exit_copy(backbone: nn.Module, config: RiverConfig, tuner, *, report: 
     ``config.backend`` (``KernelChoice.build_layer``, ``tuner`` a :class:`KernelPlan`,
     a tuner or None), with q/k/v and gate/up stacked into one product each first when
     ``config.fuse_projections`` (:func:`river_hf.quant.fused.fuse_projections`; the stacked
-    Linears are then measured and quantized as Linears of their own shape). ``backbone`` is not
+    Linears are then measured and quantized as Linears of their own shape), and a prompt kernel
+    per Linear where one measures faster when ``config.prompt_kernel``. ``backbone`` is not
     modified; ``report`` gets one row per built Linear."""
     choice = get_backend(config.backend)
     if not config.fuse_projections or not fused_groups(backbone):
-        return choice.build_layer(backbone, tuner, report=report, prefix=prefix)
+        return choice.build_layer(backbone, tuner, report=report, prefix=prefix, prompt=config.prompt_kernel)
     # a copy of the layer's structure that shares its tensors (build_layer copies it for real), in
     # which the siblings are replaced by one stacked Linear each: no second copy of the weights
     memo = {id(t): t for t in (*backbone.parameters(), *backbone.buffers())}
     shell = copy.deepcopy(backbone, memo)
     fuse_projections(shell)
-    return choice.build_layer(shell, tuner, report=report, prefix=prefix)
+    return choice.build_layer(shell, tuner, report=report, prefix=prefix, prompt=config.prompt_kernel)
 
 
 def _linear_prints(module: nn.Module) -> list:

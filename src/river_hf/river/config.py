@@ -147,6 +147,16 @@ class RiverConfig:
             fused. The backbone is never fused. Off by default: on a loaded 2-core machine it
             did not measure faster end to end (``benchmarks/step_profile.py --fusion``,
             docs/profile.md); the stacked q/k/v alone was faster.
+        prompt_kernel: with a measured ``backend`` (``int4``/``int8``), each exit Linear also gets a
+            prompt kernel (onnxruntime ``MatMulNBits``, int8 dot products) where that measures faster
+            than the one-row kernel at 128 rows: passes of 16 rows or more through the exit layers
+            (the prompt of the fully quantized model, River's prefill after its exit) run on it
+            (:class:`river_hf.quant.modules.PromptRowsLinear`). Costs a second copy of those
+            weights (about the exit layers' size again: +189 MB on Qwen2.5-Coder-0.5B). Needs
+            onnxruntime and a tuner; decode steps are unchanged. Off by default: the fully quantized
+            prompt pass measured 1.11-1.30x faster on held-out prompts of 152-332 tokens (2-core
+            Zen 5, ``benchmarks/prompt_kernel.py``), River's defaults read the prompt on the
+            backbone (``prefill="backbone"``) and would hold the copy for nothing.
 
     Raises (at construction):
         RiverError: τ not a number, ``min_layer`` < 1, unknown backend, prefill policy, strategy,
@@ -175,6 +185,7 @@ class RiverConfig:
     offload_dir: str | None = None
     kernel_choice: dict[str, str] | None = None
     fuse_projections: bool = False
+    prompt_kernel: bool = False
 
     def __post_init__(self):
         self.tau = check_tau(self.tau)
@@ -224,8 +235,9 @@ class RiverConfig:
                 and all(isinstance(k, str) and isinstance(v, str) for k, v in self.kernel_choice.items())):
             raise RiverError(f"kernel_choice must map shape keys to kernel names (e.g. {{\"int4:896x4864\": "
                              f"\"torch-int4\"}}) or be null, got {self.kernel_choice!r}")
-        if not isinstance(self.fuse_projections, bool):
-            raise RiverError(f"fuse_projections must be true or false, got {self.fuse_projections!r}")
+        for name in ("fuse_projections", "prompt_kernel"):
+            if not isinstance(getattr(self, name), bool):
+                raise RiverError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.rules is not None:
             try:
                 rules_from_config(self.rules)
