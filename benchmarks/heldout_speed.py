@@ -19,6 +19,10 @@ suppressed), batch 1. Methods (``--methods``, default all that can run here):
 - ``river-onednn``: River (route mode) with its backbone Linears' calls on that same packed copy (the
   plain model shares River's backbone tensors; the exit layers keep their quantized kernels): what
   routing River's one-row backbone products through oneDNN would give, measured before building it;
+- ``exit-noprompt``: ``exit`` with every exit Linear's prompt kernel (``RiverConfig.prompt_kernel``,
+  off by default: ``--set prompt_kernel=true``) bypassed for the run (``prompt_kernels_off``): its
+  prompt pass on the one-row kernels; the same model and decode kernels, so the pair shows what
+  they buy (without prompt kernels the two are the same model);
 - ``llama.cpp``: llama-cpp-python on the very GGUF the fp32 checkpoint was dequantized from
   (``river_hf.models.gguf_file``), ``--threads`` threads, fed the same prompt token ids; only
   when ``llama_cpp`` imports (it builds from its PyPI sdist; not a dependency of river-hf).
@@ -34,7 +38,8 @@ Timing is ``river_hf.timing.compare``: one untimed warm-up of every method, then
 rounds in which the reference runs next to each method (R A R B ..., reversed every other round);
 end-to-end tokens/s (prompt included) and decode-only tokens/s, median (min-max), speedups per
 neighbouring pair. Weight bytes per decode step: the Linear weights a step reads (River: its
-``river_stats``; llama.cpp: the GGUF's tensor data, i.e. the file size less its metadata), and
+``river_stats``; llama.cpp: the GGUF's tensor data less the token-embedding table's rows a step does
+not read, ``llama_cpp_run.gguf_tensor_bytes``), and
 the achieved GB/s as a share of this machine's STREAM triad. Per method the JSON also has its
 tokens and whether each completion equals the fp32 reference's. JSON + Markdown + PNG.
 
@@ -54,8 +59,25 @@ import time
 
 import torch
 
-METHODS = ("unmodified", "river", "exit", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16", "unmodified-onednn",
-           "river-onednn", "llama.cpp")
+METHODS = ("unmodified", "river", "exit", "exit-noprompt", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16",
+           "unmodified-onednn", "river-onednn", "llama.cpp")
+
+
+@contextlib.contextmanager
+def prompt_kernels_off(model):
+    """Within the block, every exit Linear with a prompt kernel (``PromptRowsLinear``) sends all
+    calls to its one-row kernel: the model as built without ``prompt_kernel``, same weights."""
+    from river_hf.quant.modules import PromptRowsLinear
+
+    wrapped = [m for m in model.modules() if isinstance(m, PromptRowsLinear)]
+    old = [m.min_rows for m in wrapped]
+    for m in wrapped:
+        m.min_rows = 1 << 62
+    try:
+        yield len(wrapped)
+    finally:
+        for m, rows in zip(wrapped, old):
+            m.min_rows = rows
 
 
 class SuppressIds:
@@ -205,12 +227,14 @@ def main(argv=None) -> int:
             else:
                 bf16 = method.endswith("-bf16")
                 onednn = method.endswith("-onednn")
-                base = method.removesuffix("-bf16").removesuffix("-onednn")
+                noprompt = method.endswith("-noprompt")
+                base = method.removesuffix("-bf16").removesuffix("-onednn").removesuffix("-noprompt")
                 model = (plain16 if bf16 else plain) if base == "unmodified" else (river16 if bf16 else river)
                 timer = TokenTimer()
                 mode = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(base)
                 with torch.no_grad(), (model.river_mode(mode) if mode else contextlib.nullcontext()), \
-                        (packed if onednn else contextlib.nullcontext()):
+                        (packed if onednn else contextlib.nullcontext()), \
+                        (prompt_kernels_off(model) if noprompt else contextlib.nullcontext()):
                     timer.reset()
                     out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=timer, **gen)
                 new = out[0, ids.shape[1]:].tolist()

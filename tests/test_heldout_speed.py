@@ -119,3 +119,36 @@ def test_llama_cpp_step_bytes_count_one_embedding_row_when_the_head_is_separate(
 
     assert run.gguf_tensor_bytes(write("untied.gguf", True)) == 16 + 48 + 160
     assert run.gguf_tensor_bytes(write("tied.gguf", False)) == 160 + 48
+
+
+def test_prompt_kernel_benchmark_compares_both_kernels_on_one_model(tiny_folder, tmp_path, monkeypatch):
+    """benchmarks/prompt_kernel.py: with onnxruntime measured faster at 128 rows (scripted), the exit
+    Linears get prompt kernels; both configurations are timed per prompt and round, the memory of the
+    prompt kernels' copies is reported; a model without prompt kernels is an argparse error."""
+    import json
+
+    import pytest
+
+    from river_hf.quant import KERNELS, KernelTuner, autotune
+
+    if not KERNELS["ort-int4"].available("cpu"):
+        pytest.skip("needs onnxruntime")
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RIVER_HF_AUTOTUNE", "1")
+    monkeypatch.setattr(autotune, "load_average", lambda: 0.1)
+    us = {"torch-int4": 10.0, "ort-int4": 20.0}
+    monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear, rows=1: {
+        k.name: (us[k.name] if rows == 1 else 30.0 - us[k.name]) if k.name in us else 50.0 for k in candidates})
+    bench = load_benchmark("prompt_kernel")
+    out = tmp_path / "pk.json"
+    assert bench.main(["--model", tiny_folder, "--backend", "int4", "--problems", "100-101", "--rounds", "2",
+                       "--check-tokens", "3", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["prompt_kernels"] == ["ort-int4"] and report["linears_with_prompt_kernel"] == 4 * 7
+    assert report["prompt_kernel_weight_bytes"] > 0 and (tmp_path / "pk.png").exists()
+    assert len(report["rows"]) == 2 and all(len(r["runs"]["prompt kernel"]) == len(r["runs"]["one-row kernel"]) == 2
+                                            for r in report["rows"])
+    monkeypatch.setenv("RIVER_HF_AUTOTUNE", "0")  # nothing measured: no prompt kernels
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--model", tiny_folder, "--backend", "int4", "--problems", "100", "--out", str(out)])
+    assert e.value.code == 2
