@@ -46,9 +46,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     lo, _, hi = args.problems.partition("-")
-    problems = list(range(int(lo), int(hi or lo) + 1))
+    try:
+        first, last = int(lo), int(hi or lo)
+    except ValueError:
+        ap.error(f"--problems {args.problems!r}: expected a HumanEval index or range, e.g. 100 or 100-105")
+    if not 0 <= first <= last:
+        ap.error(f"--problems {args.problems!r}: expected FIRST-LAST with 0 <= FIRST <= LAST")
+    problems = list(range(first, last + 1))
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.check_tokens < 1:
+        ap.error("--check-tokens must be >= 1")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from heldout_speed import prompt_kernels_off  # noqa: E402 - the sibling benchmark's switch
     from transformers import AutoTokenizer
@@ -62,6 +70,9 @@ def main(argv=None) -> int:
     from river_hf.quant.modules import PromptRowsLinear, linear_weight_bytes
     from river_hf.river.config import default_config
 
+    every = humaneval_problems()
+    if last >= len(every):
+        ap.error(f"--problems: HumanEval has problems 0..{len(every) - 1}")
     load_before = load_average()
     config = dataclasses.replace(default_config(args.model), prompt_kernel=True,
                                  **({"backend": args.backend} if args.backend else {}))
@@ -71,7 +82,6 @@ def main(argv=None) -> int:
         ap.error("no exit Linear got a prompt kernel here (onnxruntime missing, RIVER_HF_AUTOTUNE=0, or the "
                  "one-row kernels measured faster at 128 rows): nothing to compare")
     tok = AutoTokenizer.from_pretrained(resolve(args.model, progress=False))
-    every = humaneval_problems()
     prompts = {every[i]["task_id"]: encode_prompt(tok, humaneval_prompt(every[i]))["input_ids"] for i in problems}
     configs = ("prompt kernel", "one-row kernel")
 

@@ -3,6 +3,7 @@ min_new_tokens, on River's route and lossless modes too (so the timed methods st
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LogitsProcessorList
 
@@ -152,3 +153,11 @@ def test_prompt_kernel_benchmark_compares_both_kernels_on_one_model(tiny_folder,
     with pytest.raises(SystemExit) as e:
         bench.main(["--model", tiny_folder, "--backend", "int4", "--problems", "100", "--out", str(out)])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("problems", ["abc", "5-2", "100-999"])
+def test_prompt_kernel_benchmark_refuses_bad_problem_ranges(problems, tmp_path):
+    bench = load_benchmark("prompt_kernel")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--problems", problems, "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and not (tmp_path / "x.json").exists()
