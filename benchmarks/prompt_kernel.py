@@ -4,7 +4,7 @@ One process, one model (``RiverForCausalLM.from_pretrained(--model)``, fp32 back
 River settings with ``RiverConfig.prompt_kernel`` turned on (it is off by default): the exit Linears whose prompt kernel measured
 faster at 128 rows are ``PromptRowsLinear``). In ``river_mode("exit")`` (every layer its exit copy)
 each held-out HumanEval prompt (``--problems``, chat template) is read by a one-token ``generate``
-call: the prompt pass through the 24 exit layers plus the exit head on the last row, i.e. the time
+call: the prompt pass through every exit layer plus the exit head on the last row, i.e. the time
 to the first token. Configurations, in one process on the same weights:
 
 - ``prompt kernel``: as built (calls of 16 rows or more on the prompt kernel);
@@ -14,8 +14,7 @@ to the first token. Configurations, in one process on the same weights:
 Timing: one untimed call of each per prompt, then ``--rounds`` rounds, the two configurations in
 alternating order (ABBA...), each prompt once per configuration per round; per prompt and
 configuration the median and min-max seconds, and the per-round ratio (one-row / prompt kernel)
-median and min-max; the 64 new tokens of each configuration are compared too (``--check-tokens``
-greedy tokens, exit mode: the prompt kernel changes the prompt's K/V by kernel rounding, so they may
+median and min-max; the first ``--check-tokens`` new tokens of each configuration are compared too (greedy, exit mode: the prompt kernel changes the prompt's K/V by kernel rounding, so they may
 differ). The weight bytes of the prompt kernels' copies (memory the feature costs) are reported.
 JSON + PNG.
 
@@ -31,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--problems", default="100-105", help="HumanEval problem range (held out: no default was tuned on 100+)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--check-tokens", type=int, default=64)
-    ap.add_argument("--backend", default=None, help="exit-layer kernel choice (default: the model's; a measured one, "
-                                                    "int4 or int8, is needed for prompt kernels)")
+    ap.add_argument("--backend", default="int4", help="exit-layer kernel choice, a measured one (int4 or int8): "
+                                                      "prompt kernels are chosen by measurement")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     lo, _, hi = args.problems.partition("-")
@@ -68,15 +68,27 @@ def main(argv=None) -> int:
     from river_hf.models import encode_prompt, resolve
     from river_hf.quant.autotune import load_average
     from river_hf.quant.modules import PromptRowsLinear, linear_weight_bytes
+    from river_hf.cli_args import check_output_path
+    from river_hf.errors import RiverError
+    from river_hf.quant import get_backend
     from river_hf.river.config import default_config
 
     every = humaneval_problems()
     if last >= len(every):
         ap.error(f"--problems: HumanEval has problems 0..{len(every) - 1}")
-    load_before = load_average()
-    config = dataclasses.replace(default_config(args.model), prompt_kernel=True,
-                                 **({"backend": args.backend} if args.backend else {}))
-    model = RiverForCausalLM.from_pretrained(args.model, dtype=torch.float32, progress=False, river_config=config)
+    try:
+        check_output_path(args.out)
+        config = dataclasses.replace(default_config(args.model), prompt_kernel=True, backend=args.backend)
+        if not get_backend(config.backend).measured:
+            ap.error(f"the exit layers' kernel choice is {config.backend!r}; prompt kernels need a measured one: "
+                     "--backend int4 or int8")
+        load_before = load_average()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "prompt_kernel=True has no effect")  # said below, as the error
+            model = RiverForCausalLM.from_pretrained(args.model, dtype=torch.float32, progress=False,
+                                                     river_config=config)
+    except RiverError as e:
+        ap.error(str(e))
     wrapped = [m for m in model.modules() if isinstance(m, PromptRowsLinear)]
     if not wrapped:
         ap.error("no exit Linear got a prompt kernel here (onnxruntime missing, RIVER_HF_AUTOTUNE=0, or the "
@@ -122,7 +134,8 @@ def main(argv=None) -> int:
     all_ratios = [a / b for row in rows for a, b in zip(row["runs"]["one-row kernel"], row["runs"]["prompt kernel"])]
     report = {
         "command": "python benchmarks/prompt_kernel.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": args.model, "mode": "exit (fully quantized)", "rounds": args.rounds, "threads": torch.get_num_threads(),
+        "model": args.model, "backend": config.backend, "check_tokens": args.check_tokens,
+        "mode": "exit (fully quantized)", "rounds": args.rounds, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "load_avg_1m_before": load_before,
         "prompt_kernels": sorted({r["prompt_kernel"] for r in model.river_kernel_report if r.get("prompt_kernel")}),
         "linears_with_prompt_kernel": len(wrapped),

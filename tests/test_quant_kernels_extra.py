@@ -388,3 +388,48 @@ def test_prompt_kernel_off_or_slower_adds_nothing(measured, monkeypatch):
     assert not any(isinstance(m, PromptRowsLinear) for m in slower.modules())
     with pytest.raises(Exception, match="prompt_kernel must be true or false"):
         RiverConfig(prompt_kernel="yes")
+
+
+def test_prompt_kernel_choice_is_saved_and_reused_without_measuring(tmp_path, measured, monkeypatch):
+    """The prompt-kernel choice goes into kernel_choice (key ``...@128rows``): a saved folder loads with
+    the same prompt kernels even with measurement off, and river_kernels() shows them."""
+    need("ort-int4")
+    from river_hf.quant.kernels import prompt_key
+    from river_hf.quant.modules import PromptRowsLinear
+    from river_hf.river import RiverConfig
+
+    model = enable_river(tiny("qwen2"), config=RiverConfig(tau=0.9, backend="int4", prompt_kernel=True), progress=False)
+    saved = model.river_config.kernel_choice
+    assert saved[prompt_key("int4", nn.Linear(128, 128))] == "ort-int4"
+    groups = model.river_kernels()
+    assert all(g["prompt_kernel"] == "ort-int4" and g["prompt_relative_error"] < 0.2 for g in groups
+               if g["where"] == "exit layers")
+    folder = tmp_path / "river-folder"
+    model.save_pretrained(folder)
+    monkeypatch.setenv("RIVER_HF_AUTOTUNE", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = RiverForCausalLM.from_pretrained(str(folder), progress=False)
+    assert sum(isinstance(m, PromptRowsLinear) for m in loaded.modules()) == 3 * 7
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), model.river_mode("exit"), loaded.river_mode("exit"):
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
+                           loaded.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("case", ["fixed kernel", "no tuner", "no onnxruntime"])
+def test_prompt_kernel_that_cannot_apply_warns_why(case, measured, monkeypatch):
+    from river_hf.quant.modules import PromptRowsLinear
+    from river_hf.river import RiverConfig
+
+    backend = "torch-int4" if case == "fixed kernel" else "int4"
+    if case == "no tuner":
+        monkeypatch.setenv("RIVER_HF_AUTOTUNE", "0")
+    if case == "no onnxruntime":
+        without(monkeypatch, "ort-")
+    expected = {"fixed kernel": "not a measured choice", "no tuner": "nothing was measured",
+                "no onnxruntime": "onnxruntime is not installed"}[case]
+    with pytest.warns(UserWarning, match=f"prompt_kernel=True has no effect: .*{expected}"):
+        model = enable_river(tiny("qwen2"), config=RiverConfig(tau=0.9, backend=backend, prompt_kernel=True),
+                             progress=False)
+    assert not any(isinstance(m, PromptRowsLinear) for m in model.modules())

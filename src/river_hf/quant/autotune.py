@@ -454,7 +454,7 @@ class KernelTuner:
             if entry is not None:
                 self.remeasured[key] = why
             if self.on_measure is not None:
-                self.on_measure(spec.shape, spec.dtype_name, why)
+                self.on_measure(spec.shape if rows == 1 else f"{spec.shape} at {rows} rows", spec.dtype_name, why)
             load, cpus = load_average(), usable_cpus()
             entry = _entry(spec, rows, names, measure(spec), load, cpus)
             self._choices[key] = entry

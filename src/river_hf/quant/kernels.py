@@ -58,8 +58,9 @@ off by default) also measures, per shape, its one-row kernel against :data:`PROM
 :class:`~river_hf.quant.modules.PromptRowsLinear`: the one-row kernel for decode steps, the prompt
 kernel for calls of :data:`PROMPT_MIN_ROWS` rows or more (a prompt pass through the exit layers),
 at the cost of a second copy of those weights. onnxruntime's pool costs little there: one call per
-Linear per prompt, each milliseconds long. Without a tuner (``RIVER_HF_AUTOTUNE=0``) nothing is
-measured and no prompt kernel is added.
+Linear per prompt, each milliseconds long. The choice is recorded in ``kernel_choice`` under
+:func:`prompt_key` (a saved folder reuses it without measuring, and warns where it cannot); with
+nothing saved and no tuner (``RIVER_HF_AUTOTUNE=0``) no prompt kernel is added.
 
 A measured choice is a property of the machine, and kernels of one width still differ in their
 numerics (different rounding, scale dtypes, accumulation order), so the tokens depend on it.
@@ -99,6 +100,7 @@ __all__ = [
     "relative_error",
     "KernelPlan",
     "shape_key",
+    "prompt_key",
     "PromptRowsLinear",
     "PROMPT_ROWS",
     "PROMPT_MIN_ROWS",
@@ -284,15 +286,25 @@ class KernelChoice:
 
     def _with_prompt_kernel(self, linear: nn.Linear, kernel: WeightOnlyKernel, new: nn.Module, tuner,
                             row: dict) -> nn.Module:
-        measurer = tuner.tuner if isinstance(tuner, KernelPlan) else tuner
-        if not self.measured or measurer is None:
+        plan = tuner if isinstance(tuner, KernelPlan) else None
+        measurer = plan.tuner if plan is not None else tuner
+        if not self.measured:
             return new
         device = linear.weight.device
         others = [KERNELS[n] for n in PROMPT_KERNELS.get(self.bits, ())
                   if n != kernel.name and KERNELS[n].supports(linear) and KERNELS[n].available(device)]
-        if not others:
+        key = prompt_key(self.name, linear)
+        want = plan.saved.get(key) if plan is not None else None
+        fastest, timings = next((k for k in (kernel, *others) if k.name == want), None), {}
+        if fastest is None and others and measurer is not None:
+            fastest, timings = measurer.choose([kernel, *others], linear, rows=PROMPT_ROWS)
+        if want is not None and (fastest is None or fastest.name != want):
+            plan.differs[key] = (want, (fastest or kernel).name, "not available on this machine"
+                                 if want in KERNELS else f"not a prompt kernel of this river-hf")
+        if fastest is None:
             return new
-        fastest, timings = measurer.choose([kernel, *others], linear, rows=PROMPT_ROWS)
+        if plan is not None:
+            plan.chosen[key] = fastest.name  # the saved folder reuses it (the one-row kernel's name: none)
         if fastest is kernel:
             return new
         prompt_copy = fastest.build(linear)
@@ -370,6 +382,13 @@ def shape_key(choice: str, linear: nn.Linear) -> str:
     ``"<choice>:<in>x<out>"``, with ``"+bias"`` for a Linear with a bias (a biased and an unbiased
     Linear of one shape are timed apart), e.g. ``"int4:896x4864"``, ``"int4:896x896+bias"``."""
     return f"{choice}:{linear.in_features}x{linear.out_features}" + ("+bias" if linear.bias is not None else "")
+
+
+def prompt_key(choice: str, linear: nn.Linear) -> str:
+    """The ``RiverConfig.kernel_choice`` key of ``linear``'s prompt-kernel choice:
+    :func:`shape_key` plus ``"@128rows"`` (:data:`PROMPT_ROWS`), e.g. ``"int4:896x4864@128rows"``;
+    its value is the prompt kernel, or the one-row kernel's name where that measured faster."""
+    return f"{shape_key(choice, linear)}@{PROMPT_ROWS}rows"
 
 
 class KernelPlan:

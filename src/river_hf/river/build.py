@@ -21,6 +21,7 @@ import dataclasses
 import sys
 import threading
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from tqdm.auto import tqdm
 from ..errors import RiverError
 from ..quant.dense import WeightFingerprint
 from ..quant import KernelPlan, default_tuner, get_backend, linear_weight_bytes
+from ..quant.kernels import KERNELS, PROMPT_KERNELS, PROMPT_ROWS
 from ..quant.fused import fuse_projections, fused_groups
 from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_class
 from .config import RiverConfig, default_config, warn_if_negative_tau
@@ -117,6 +119,8 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
             plan.tuner.on_measure = None
     build_seconds = time.perf_counter() - start
     plan.warn_if_differs(stacklevel=stacklevel + 1)
+    if config.prompt_kernel and not any(row.get("prompt_kernel") for row in report):
+        _warn_no_prompt_kernel(config, plan, stacklevel + 1)
     config = dataclasses.replace(config, kernel_choice=plan.chosen or None)  # saved with the folder
     if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
         offload_backbone(layers, config.offload_from, config.offload_dir)
@@ -125,6 +129,23 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
             "river_kernel_report": report,
             "_river_step_bytes": _step_bytes(layers, backbone_bytes, exit_bytes, head_bytes, exit_head_bytes),
             "_river_hooks": hooks, "_river_prints": _fingerprints(model, layers)}
+
+
+def _warn_no_prompt_kernel(config: RiverConfig, plan: KernelPlan, stacklevel: int) -> None:
+    """``prompt_kernel`` was asked for and no exit Linear got one: say why, once (nothing to say when
+    every shape's one-row kernel measured faster at 128 rows, the choice working as meant)."""
+    choice = get_backend(config.backend)
+    measured_here = any(key.endswith(f"@{PROMPT_ROWS}rows") for key in plan.chosen)
+    if not choice.measured:
+        why = f"backend {choice.name!r} is not a measured choice (prompt kernels need int4 or int8)"
+    elif not any(KERNELS[n].available("cpu") for names in PROMPT_KERNELS.values() for n in names):
+        why = "no prompt kernel is available here (onnxruntime is not installed: pip install 'river-hf[ort]')"
+    elif plan.tuner is None and not measured_here:
+        why = "nothing was measured (RIVER_HF_AUTOTUNE=0 or tuner=False) and no saved choice names one"
+    else:
+        return
+    warnings.warn(f"prompt_kernel=True has no effect: {why}; the exit layers' prompt passes run on their one-row "
+                  "kernels", UserWarning, stacklevel=stacklevel + 1)
 
 
 def _announce_measurement(tuner):

@@ -149,8 +149,9 @@ class RiverConfig:
             docs/profile.md); the stacked q/k/v alone was faster.
         prompt_kernel: with a measured ``backend`` (``int4``/``int8``), each exit Linear also gets a
             prompt kernel (onnxruntime ``MatMulNBits``, int8 dot products) where that measures faster
-            than the one-row kernel at 128 rows: passes of 16 rows or more through the exit layers
-            (the prompt of the fully quantized model, River's prefill after its exit) run on it
+            than the one-row kernel at 128 rows: calls of 16 rows or more through the exit layers
+            (the prompt of the fully quantized model, River's prefill after its exit, a decode step
+            of 16+ sequences) run on it; the choice is recorded in ``kernel_choice`` (``...@128rows``)
             (:class:`river_hf.quant.modules.PromptRowsLinear`). Costs a second copy of those
             weights (about the exit layers' size again: +189 MB on Qwen2.5-Coder-0.5B). Needs
             onnxruntime and a tuner; decode steps are unchanged. Off by default: the fully quantized

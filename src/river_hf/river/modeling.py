@@ -409,7 +409,10 @@ class RiverForCausalLM(RiverSettingsMixin):
         (``"in x out"``), ``kernel``, ``count`` (Linears), ``names`` (the first few), ``us_per_call``
         (the tuner's cold-cache one-token timings of every candidate, µs; absent when only one
         kernel was allowed) and ``relative_error`` (mean over the group of ||copy(x) - W x|| /
-        ||W x|| on the real weights)."""
+        ||W x|| on the real weights); with ``RiverConfig.prompt_kernel``, a group whose Linears got
+        a prompt kernel also has ``prompt_kernel`` (its name; calls of 16+ rows run on it),
+        ``prompt_us_per_call_128_rows`` (the candidates' timings at 128 rows) and
+        ``prompt_relative_error``."""
         return kernel_groups(self.river_kernel_report)
 
 

@@ -114,18 +114,25 @@ def kernel_groups(report: list[dict]) -> list[dict]:
     groups: dict[tuple, dict] = {}
     for row in report:
         where = "exit head" if row["name"].startswith("lm_head") else "exit layers"
-        key = (where, row["in_features"], row["out_features"], row["kernel"])
+        key = (where, row["in_features"], row["out_features"], row["kernel"], row.get("prompt_kernel"))
         g = groups.setdefault(key, {"where": where, "shape": f"{row['in_features']}x{row['out_features']}",
-                                    "kernel": row["kernel"], "count": 0, "names": [], "errors": []})
+                                    "kernel": row["kernel"], "count": 0, "names": [], "errors": [], "prompt_errors": []})
         g["count"] += 1
         g["errors"].append(row["relative_error"])
         if len(g["names"]) < 3:
             g["names"].append(row["name"])
         if "us_per_call" in row:
             g["us_per_call"] = row["us_per_call"]
+        if row.get("prompt_kernel"):  # calls of PROMPT_MIN_ROWS+ rows run on it (RiverConfig.prompt_kernel)
+            g["prompt_kernel"] = row["prompt_kernel"]
+            g["prompt_errors"].append(row["prompt_relative_error"])
+            if "prompt_us_per_call" in row:
+                g["prompt_us_per_call_128_rows"] = row["prompt_us_per_call"]
     out = []
     for g in groups.values():
-        errors = g.pop("errors")
+        errors, prompt_errors = g.pop("errors"), g.pop("prompt_errors")
         g["relative_error"] = sum(errors) / len(errors)
+        if prompt_errors:
+            g["prompt_relative_error"] = sum(prompt_errors) / len(prompt_errors)
         out.append(g)
     return out
