@@ -104,7 +104,8 @@ def eos_ids(tokenizer, model) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--methods", default=None, help=f"comma list from {', '.join(METHODS)} (default: all that run here)")
+    ap.add_argument("--methods", default=None, help=f"comma list from {', '.join(METHODS)} (default: all that run "
+                                                    "here but exit-noprompt)")
     ap.add_argument("--prompts", default="humaneval:100-102", help="e.g. humaneval:100-102,gsm8k:100-101")
     ap.add_argument("--gsm8k-data", default=None)
     ap.add_argument("--set-name", default="held-out", choices=("tuning", "held-out"))
@@ -122,8 +123,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     has_llama = available()
-    methods = [m.strip() for m in args.methods.split(",")] if args.methods else [
-        m for m in METHODS if m != "llama.cpp" or has_llama]
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else [  # exit-noprompt only when named
+        m for m in METHODS if (m != "llama.cpp" or has_llama) and m != "exit-noprompt"]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or "unmodified" not in methods:
         ap.error(f"--methods: unknown {unknown}" if unknown else "--methods must include unmodified")
