@@ -300,7 +300,7 @@ class KernelChoice:
             fastest, timings = measurer.choose([kernel, *others], linear, rows=PROMPT_ROWS)
         if want is not None and (fastest is None or fastest.name != want):
             plan.differs[key] = (want, (fastest or kernel).name, "not available on this machine"
-                                 if want in KERNELS else f"not a prompt kernel of this river-hf")
+                                 if want in KERNELS else "not a prompt kernel of this river-hf")
         if fastest is None:
             return new
         if plan is not None:

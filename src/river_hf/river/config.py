@@ -151,8 +151,8 @@ class RiverConfig:
             prompt kernel (onnxruntime ``MatMulNBits``, int8 dot products) where that measures faster
             than the one-row kernel at 128 rows: calls of 16 rows or more through the exit layers
             (the prompt of the fully quantized model, River's prefill after its exit, a decode step
-            of 16+ sequences) run on it; the choice is recorded in ``kernel_choice`` (``...@128rows``)
-            (:class:`river_hf.quant.modules.PromptRowsLinear`). Costs a second copy of those
+            of 16+ sequences) run on it (:class:`river_hf.quant.modules.PromptRowsLinear`); the
+            choice is recorded in ``kernel_choice`` (keys ending ``@128rows``). Costs a second copy of those
             weights (about the exit layers' size again: +189 MB on Qwen2.5-Coder-0.5B). Needs
             onnxruntime and a tuner; decode steps are unchanged. Off by default: the fully quantized
             prompt pass measured 1.11-1.30x faster on held-out prompts of 152-332 tokens (2-core
