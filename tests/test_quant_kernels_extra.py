@@ -433,3 +433,12 @@ def test_prompt_kernel_that_cannot_apply_warns_why(case, measured, monkeypatch):
         model = enable_river(tiny("qwen2"), config=RiverConfig(tau=0.9, backend=backend, prompt_kernel=True),
                              progress=False)
     assert not any(isinstance(m, PromptRowsLinear) for m in model.modules())
+
+
+def test_prompt_kernel_is_a_keyword_of_enable_river(measured):
+    need("ort-int4")
+    from river_hf.quant.modules import PromptRowsLinear
+
+    model = enable_river(tiny("qwen2"), tau=0.9, backend="int4", prompt_kernel=True, progress=False)
+    assert model.river_config.prompt_kernel is True
+    assert sum(isinstance(m, PromptRowsLinear) for m in model.modules()) == 3 * 7

@@ -110,6 +110,7 @@ class RiverForCausalLM(RiverSettingsMixin):
         prefill: str | None = None,
         lossless: bool | None = None,
         strategy: str | None = None,
+        prompt_kernel: bool | None = None,
         river_config: RiverConfig | None = None,
         offload_from: int | None = None,
         offload_dir: str | None = None,
@@ -126,7 +127,7 @@ class RiverForCausalLM(RiverSettingsMixin):
         Args:
             pretrained_model_name_or_path: a model key, a local folder or a Hub id
                 (:func:`river_hf.models.resolve`; a Hub id with ``revision=`` is passed on as is).
-            tau, min_layer, backend, exit_head, prefill, lossless, strategy, offload_from, offload_dir:
+            tau, min_layer, backend, exit_head, prefill, lossless, strategy, prompt_kernel, offload_from, offload_dir:
                 override single settings of the stored ones (see :class:`RiverConfig`);
                 ``lossless=True`` makes lossless mode the model's own; ``strategy`` picks what the
                 layers after an exit do (:data:`river_hf.river.strategies.STRATEGIES`).
@@ -151,7 +152,8 @@ class RiverForCausalLM(RiverSettingsMixin):
         """
         name = str(pretrained_model_name_or_path)
         given = overrides(tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
-                          lossless=lossless, strategy=strategy, offload_from=offload_from, offload_dir=offload_dir)
+                          lossless=lossless, strategy=strategy, prompt_kernel=prompt_kernel, offload_from=offload_from,
+                          offload_dir=offload_dir)
         model, river_config = load_checkpoint(cls, name, model_args, kwargs, river_config, given, progress)
         model = enable_river(model, config=river_config, progress=progress)
         return as_class(model, cls)
@@ -168,6 +170,7 @@ class RiverForCausalLM(RiverSettingsMixin):
         prefill: str | None = None,
         lossless: bool | None = None,
         strategy: str | None = None,
+        prompt_kernel: bool | None = None,
         river_config: RiverConfig | None = None,
         progress: bool = True,
         **kwargs,
@@ -178,7 +181,7 @@ class RiverForCausalLM(RiverSettingsMixin):
         Args:
             config: a ``PretrainedConfig`` of a causal LM (e.g. a tiny ``LlamaConfig``); its
                 ``river`` attribute, when present, gives the River settings.
-            tau, min_layer, backend, exit_head, prefill, lossless, strategy, river_config, progress: as for
+            tau, min_layer, backend, exit_head, prefill, lossless, strategy, prompt_kernel, river_config, progress: as for
                 :meth:`from_pretrained`.
             **kwargs: passed to ``from_config`` (``dtype``, ``attn_implementation``, ...).
 
@@ -192,7 +195,8 @@ class RiverForCausalLM(RiverSettingsMixin):
         if river_config is None:
             river_config = saved_river_config(config)
         model = enable_river(model, tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
-                             lossless=lossless, strategy=strategy, config=river_config, progress=progress)
+                             lossless=lossless, strategy=strategy, prompt_kernel=prompt_kernel, config=river_config,
+                             progress=progress)
         return as_class(model, cls)
 
     @classmethod
@@ -443,6 +447,7 @@ def enable_river(
     prefill: str | None = None,
     lossless: bool | None = None,
     strategy: str | None = None,
+    prompt_kernel: bool | None = None,
     rules: ExitRuleList | list | None = None,
     config: RiverConfig | None = None,
     allow_untested: bool = False,
@@ -456,7 +461,7 @@ def enable_river(
         tau: threshold τ of the state transition similarity (River-LLM Sec. 3.2); None takes the
             per-model default from ``configs/``. A negative τ is legal and warns (nearly every
             step then leaves the backbone after ``min_layer`` layers).
-        min_layer, backend, exit_head, prefill, lossless, strategy: override the defaults (see
+        min_layer, backend, exit_head, prefill, lossless, strategy, prompt_kernel: override the defaults (see
             :class:`RiverConfig`).
         rules: explicit exit rules instead of tau/min_layer: an :class:`ExitRuleList`, a list of
             rules (``[MinLayerRule(2), StateTransitionSimilarityRule(0.9)]``) or ``to_list()`` dicts.
@@ -483,7 +488,7 @@ def enable_river(
     """
     check_supported(model, allow_untested)
     config = settings_for(model, config, tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head,
-                          prefill=prefill, lossless=lossless, strategy=strategy, rules=rules)
+                          prefill=prefill, lossless=lossless, strategy=strategy, prompt_kernel=prompt_kernel, rules=rules)
     _, layers = decoder_stack(model)
     rule_list = config.build_rules()
     check_min_layer(rule_list, len(layers), model)
