@@ -34,14 +34,11 @@ class Script:
     def __init__(self, **us):
         self.us = {k.replace("_", "-"): v for k, v in us.items()}
         self.calls = []
-        self.prompt_calls = []
 
     def __call__(self, tuner, candidates, linear, rows=1):
         spec = autotune.LinearSpec.of(linear)
         if rows == 1:  # one-row choices are counted; a prompt-kernel measurement (rows > 1) is not
             self.calls.append(spec.shape)
-        else:
-            self.prompt_calls.append(spec.shape)
         return {k.name: self.us.get(k.name, 100.0) for k in candidates}
 
 
