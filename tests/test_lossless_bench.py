@@ -82,7 +82,7 @@ def test_linear_kernels_bench_times_through_the_tuner(tmp_path, monkeypatch):
     bench = load_benchmark("linear_kernels")
     calls = []
 
-    def fake_measure(self, candidates, linear):
+    def fake_measure(self, candidates, linear, rows=1):
         calls.append((tuple(k.name for k in candidates), tuple(linear.weight.shape), linear.weight.dtype))
         return {k.name: 10.0 + i for i, k in enumerate(candidates)}
 

@@ -151,7 +151,7 @@ def test_damaged_cache_is_measured_again(tmp_path, monkeypatch):
     choice = get_backend("int8")
     calls = []
 
-    def scripted(self, candidates, spec):
+    def scripted(self, candidates, spec, rows=1):
         calls.append((spec.in_features, spec.out_features))
         return {k.name: 10.0 + i for i, k in enumerate(candidates)}
 

@@ -416,8 +416,7 @@ class KernelTuner:
         entry replaced."""
         by_name = {k.name: k for k in candidates}
         timings = self._cached_or_measured(LinearSpec.of(linear), rows, list(by_name),
-                                           lambda spec: self.measure(candidates, spec, rows) if rows != 1
-                                           else self.measure(candidates, spec))
+                                           lambda spec: self.measure(candidates, spec, rows))
         return by_name[min(timings, key=timings.get)], timings
 
     def choose_mode(self, linear, rows: int, candidates, measure) -> tuple[str, dict[str, float]]:
@@ -476,21 +475,16 @@ class KernelTuner:
         spec = LinearSpec(*dims, entry["bias"], getattr(torch, entry["dtype"]))
         rows = entry.get("rows", 1)
         load, cpus = load_average(), usable_cpus()
-        if rows != 1 and all(n in KERNELS for n in entry["candidates"]):  # an exit Linear's prompt-kernel entry
-            candidates = [KERNELS[n] for n in entry["candidates"]]
-            if not all(k.available(spec.device.type) for k in candidates):
-                return None
-            return _entry(spec, rows, entry["candidates"], self.measure(candidates, spec, rows), load, cpus)
-        if rows != 1:  # a dense mode's entry (lossless verify, dLLM-Cache partial steps)
+        if not all(n in KERNELS for n in entry["candidates"]):  # a dense mode's entry (lossless verify, dLLM-Cache)
             try:
                 timings = measure_modes(entry["candidates"], *dims, rows)
             except RuntimeError:
                 return None
             return _entry(spec, rows, entry["candidates"], timings, load, cpus)
-        candidates = [KERNELS[n] for n in entry["candidates"]]
+        candidates = [KERNELS[n] for n in entry["candidates"]]  # exit kernels: one-row, or a prompt-kernel choice
         if not all(k.available(spec.device.type) for k in candidates):
             return None
-        return _entry(spec, 1, entry["candidates"], self.measure(candidates, spec), load, cpus)
+        return _entry(spec, rows, entry["candidates"], self.measure(candidates, spec, rows), load, cpus)
 
     def measure(self, candidates, linear, rows: int = 1) -> dict[str, float]:
         """Median µs per call of ``rows`` rows (one token each) of each candidate on ``linear`` (an

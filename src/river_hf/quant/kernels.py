@@ -286,10 +286,10 @@ class KernelChoice:
 
     def _with_prompt_kernel(self, linear: nn.Linear, kernel: WeightOnlyKernel, new: nn.Module, tuner,
                             row: dict) -> nn.Module:
-        plan = tuner if isinstance(tuner, KernelPlan) else None
-        measurer = plan.tuner if plan is not None else tuner
         if not self.measured:
             return new
+        plan = tuner if isinstance(tuner, KernelPlan) else None
+        measurer = plan.tuner if plan is not None else tuner
         device = linear.weight.device
         others = [KERNELS[n] for n in PROMPT_KERNELS.get(self.bits, ())
                   if n != kernel.name and KERNELS[n].supports(linear) and KERNELS[n].available(device)]

@@ -249,8 +249,7 @@ def linear_weight_bytes(module: nn.Module) -> int:
     decode copy counts (a decode step does not read the prompt kernel's copy).
     """
     total = 0
-    skip = {id(m.prompt) for m in module.modules() if isinstance(m, PromptRowsLinear)}
-    skip = {id(sub) for m in module.modules() if id(m) in skip for sub in m.modules()}
+    skip = {id(sub) for m in module.modules() if isinstance(m, PromptRowsLinear) for sub in m.prompt.modules()}
     for m in module.modules():
         if id(m) in skip:
             continue
