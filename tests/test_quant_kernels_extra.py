@@ -291,7 +291,7 @@ def test_remeasure_drops_an_entry_whose_kernel_is_gone(tmp_path, monkeypatch, ca
 
     monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(autotune, "load_average", lambda: 0.1)
-    monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear: {k.name: 10.0 for k in candidates})
+    monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear, rows=1: {k.name: 10.0 for k in candidates})
     cache = tmp_path / "cache" / "kernels.json"
     both = [KERNELS["torch-int4"], KERNELS["ort-int4"]]
     KernelTuner().choose(both, nn.Linear(128, 64))
@@ -442,3 +442,20 @@ def test_prompt_kernel_is_a_keyword_of_enable_river(measured):
     model = enable_river(tiny("qwen2"), tau=0.9, backend="int4", prompt_kernel=True, progress=False)
     assert model.river_config.prompt_kernel is True
     assert sum(isinstance(m, PromptRowsLinear) for m in model.modules()) == 3 * 7
+
+
+def test_prompt_kernel_copies_are_not_built_when_memory_is_short(measured, monkeypatch):
+    """Lossless mode's rule for its packed copy bounds the prompt kernels' copies too: over half the
+    available memory, one warning and none built; the setting itself is kept (a saved folder still asks)."""
+    need("ort-int4")
+    from river_hf.quant.modules import PromptRowsLinear
+    from river_hf.river import lossless
+
+    monkeypatch.setattr(lossless, "available_memory_bytes", lambda: 1000)
+    with pytest.warns(UserWarning, match="prompt kernels' copies would need .* not built"):
+        model = enable_river(tiny("qwen2"), tau=0.9, backend="int4", prompt_kernel=True, progress=False)
+    assert not any(isinstance(m, PromptRowsLinear) for m in model.modules())
+    assert model.river_config.prompt_kernel is True
+    monkeypatch.setattr(lossless, "available_memory_bytes", lambda: 1 << 40)
+    fits = enable_river(tiny("qwen2"), tau=0.9, backend="int4", prompt_kernel=True, progress=False)
+    assert sum(isinstance(m, PromptRowsLinear) for m in fits.modules()) == 3 * 7

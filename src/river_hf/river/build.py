@@ -107,6 +107,9 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
         router.mode = LOSSLESS
     report: list[dict] = []
     start = time.perf_counter()
+    asked = config
+    if config.prompt_kernel and not _prompt_copies_fit(layers, config, stacklevel + 1):
+        config = dataclasses.replace(config, prompt_kernel=False)  # this build only; the setting is kept
     plan = KernelPlan(tuner or None, config.kernel_choice)  # a saved folder's kernels first, then measured
     announce = progress and plan.tuner is not None and getattr(plan.tuner, "on_measure", False) is None
     if announce:
@@ -121,7 +124,7 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
     plan.warn_if_differs(stacklevel=stacklevel + 1)
     if config.prompt_kernel and not any(row.get("prompt_kernel") for row in report):
         _warn_no_prompt_kernel(config, plan, stacklevel + 1)
-    config = dataclasses.replace(config, kernel_choice=plan.chosen or None)  # saved with the folder
+    config = dataclasses.replace(asked, kernel_choice=plan.chosen or None)  # saved with the folder
     if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
         offload_backbone(layers, config.offload_from, config.offload_dir)
     hooks = _register_router_hooks(stack, router) + _register_verify_hooks(model, router)
@@ -129,6 +132,25 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
             "river_kernel_report": report,
             "_river_step_bytes": _step_bytes(layers, backbone_bytes, exit_bytes, head_bytes, exit_head_bytes),
             "_river_hooks": hooks, "_river_prints": _fingerprints(model, layers)}
+
+
+def _prompt_copies_fit(layers, config: RiverConfig, stacklevel: int) -> bool:
+    """Whether the prompt kernels' copies may be built: at most ``bits / 8`` bytes (plus an eighth
+    for scales and zero points) per decoder-layer weight, within lossless mode's rule for its packed
+    copy (:data:`~river_hf.river.lossless.PACK_MEMORY_SHARE` of the memory available now). Warns
+    once when not."""
+    from .lossless import PACK_MEMORY_SHARE, available_memory_bytes
+
+    weights = sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, nn.Linear))
+    need = weights * get_backend(config.backend).bits / 8 * 1.125
+    available = available_memory_bytes()
+    if available is not None and need <= PACK_MEMORY_SHARE * available:
+        return True
+    have = "unknown" if available is None else f"{available / 1e9:.2f} GB"
+    warnings.warn(f"prompt_kernel=True: the prompt kernels' copies would need up to {need / 1e9:.2f} GB, more than "
+                  f"{PACK_MEMORY_SHARE:.0%} of the memory available ({have}); not built, the exit layers' prompt "
+                  "passes run on their one-row kernels", UserWarning, stacklevel=stacklevel + 1)
+    return False
 
 
 def _warn_no_prompt_kernel(config: RiverConfig, plan: KernelPlan, stacklevel: int) -> None:

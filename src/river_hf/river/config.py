@@ -153,7 +153,9 @@ class RiverConfig:
             (the prompt of the fully quantized model, River's prefill after its exit, a decode step
             of 16+ sequences) run on it (:class:`river_hf.quant.modules.PromptRowsLinear`); the
             choice is recorded in ``kernel_choice`` (keys ending ``@128rows``). Costs a second copy of those
-            weights (about the exit layers' size again: +189 MB on Qwen2.5-Coder-0.5B). Needs
+            weights (about the exit layers' size again: +189 MB on Qwen2.5-Coder-0.5B; not built,
+            with a warning, when it could take over half the memory available, lossless mode's
+            rule for its packed copy). Needs
             onnxruntime and a tuner; decode steps are unchanged. Off by default: the fully quantized
             prompt pass measured 1.11-1.30x faster on held-out prompts of 152-332 tokens (2-core
             Zen 5, ``benchmarks/prompt_kernel.py``), River's defaults read the prompt on the
