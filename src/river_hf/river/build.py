@@ -35,6 +35,7 @@ from ..quant.fused import fuse_projections, fused_groups
 from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_class
 from .config import RiverConfig, default_config, warn_if_negative_tau
 from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
+from . import lossless
 from .layer import LOSSLESS, RiverHead, RiverLayer, RiverRouter
 from .offload import build_exit_layer, is_offloaded, offload_backbone
 from .strategies import STRATEGIES, cache_of
@@ -139,16 +140,14 @@ def _prompt_copies_fit(layers, config: RiverConfig, stacklevel: int) -> bool:
     for scales and zero points) per decoder-layer weight, within lossless mode's rule for its packed
     copy (:data:`~river_hf.river.lossless.PACK_MEMORY_SHARE` of the memory available now). Warns
     once when not."""
-    from .lossless import PACK_MEMORY_SHARE, available_memory_bytes
-
     weights = sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, nn.Linear))
     need = weights * get_backend(config.backend).bits / 8 * 1.125
-    available = available_memory_bytes()
-    if available is not None and need <= PACK_MEMORY_SHARE * available:
+    available = lossless.available_memory_bytes()  # looked up on the module: tests stand in for it there
+    if available is not None and need <= lossless.PACK_MEMORY_SHARE * available:
         return True
     have = "unknown" if available is None else f"{available / 1e9:.2f} GB"
     warnings.warn(f"prompt_kernel=True: the prompt kernels' copies would need up to {need / 1e9:.2f} GB, more than "
-                  f"{PACK_MEMORY_SHARE:.0%} of the memory available ({have}); not built, the exit layers' prompt "
+                  f"{lossless.PACK_MEMORY_SHARE:.0%} of the memory available ({have}); not built, the exit layers' prompt "
                   "passes run on their one-row kernels", UserWarning, stacklevel=stacklevel + 1)
     return False
 
