@@ -99,9 +99,11 @@ def _check_diffusion_config(args, cfg) -> bool:
     """
     from transformers import AutoModelForMaskedLM, GenerationConfig
 
+    from ..compat import auto_class_supports
+
     auto_map = getattr(cfg, "auto_map", None) or {}
     remote = bool(args.trust_remote_code) and "AutoModelForMaskedLM" not in auto_map and "AutoModel" in auto_map
-    masked = "AutoModelForMaskedLM" in auto_map or type(cfg) in AutoModelForMaskedLM._model_mapping
+    masked = "AutoModelForMaskedLM" in auto_map or auto_class_supports(AutoModelForMaskedLM, cfg)
     kind = f"a {getattr(cfg, 'model_type', None)!r} model ({', '.join(getattr(cfg, 'architectures', None) or []) or 'no architectures'})"
     if not (masked or remote):
         raise RiverError(

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..compat import architecture_forwards
 from ..errors import RiverError
 from ..quant.dense import WeightFingerprint
 from ..quant import KernelPlan, default_tuner, get_backend, linear_weight_bytes
@@ -84,7 +85,7 @@ def settings_for(model, config: RiverConfig | None, *, rules, exit_head, **field
     """The per-model default (or ``config``) with the given fields overriding it."""
     if config is None:
         model_type = getattr(model.config.get_text_config(decoder=True), "model_type", None)
-        config = default_config(getattr(model.config, "_name_or_path", None), model_type)
+        config = default_config(getattr(model.config, "name_or_path", None), model_type)
     overrides = {k: v for k, v in fields.items() if v is not None}
     if exit_head is not KEEP:
         overrides["exit_head"] = exit_head
@@ -236,13 +237,22 @@ def build_exit_copy(backbone: nn.Module, config: RiverConfig, tuner, *, report: 
     modified; ``report`` gets one row per built Linear."""
     choice = get_backend(config.backend)
     if not config.fuse_projections or not fused_groups(backbone):
-        return choice.build_layer(backbone, tuner, report=report, prefix=prefix, prompt=config.prompt_kernel)
+        return _own_forwards(choice.build_layer(backbone, tuner, report=report, prefix=prefix,
+                                                prompt=config.prompt_kernel))
     # a copy of the layer's structure that shares its tensors (build_layer copies it for real), in
     # which the siblings are replaced by one stacked Linear each: no second copy of the weights
     memo = {id(t): t for t in (*backbone.parameters(), *backbone.buffers())}
     shell = copy.deepcopy(backbone, memo)
     fuse_projections(shell)
-    return choice.build_layer(shell, tuner, report=report, prefix=prefix, prompt=config.prompt_kernel)
+    return _own_forwards(choice.build_layer(shell, tuner, report=report, prefix=prefix, prompt=config.prompt_kernel))
+
+
+def _own_forwards(exit_copy: nn.Module) -> nn.Module:
+    """``exit_copy`` running the architecture's own torch code in every module: a Hub kernel that
+    transformers' ``kernelize`` put on the backbone layer (:func:`river_hf.compat.architecture_forwards`)
+    reads ``nn.Linear`` weights, which the exit copy's quantized Linears do not have."""
+    architecture_forwards(exit_copy)
+    return exit_copy
 
 
 def _linear_prints(module: nn.Module) -> list:

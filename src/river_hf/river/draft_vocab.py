@@ -250,7 +250,7 @@ def draft_head_for(model, n: int, tokenizer=None) -> FrequentVocabHead:
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+        source = getattr(model, "name_or_path", None) or getattr(model.config, "name_or_path", None)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except Exception as e:  # noqa: BLE001 - any loader failure means: no tokenizer here

@@ -40,6 +40,7 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator, PromptLookupCandidateGenerator
 
+from ..compat import eos_token_ids
 from ..errors import RiverError
 from ..quant.dense import PrepackedLinear, onednn_available
 from .arch import decoder_stack
@@ -153,8 +154,7 @@ class ExitPathDrafter(CandidateGenerator):
         self.logits_processor = logits_processor
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
-        eos = getattr(generation_config, "_eos_token_tensor", None)
-        self.eos = None if eos is None else set(torch.atleast_1d(eos).tolist())
+        self.eos = eos_token_ids(generation_config)
         self.num_draft_tokens = draft_tokens
         self.max_draft_tokens = max_draft_tokens if max_draft_tokens is not None else 1 << 30
         if self.max_draft_tokens < draft_tokens:
@@ -171,7 +171,8 @@ class ExitPathDrafter(CandidateGenerator):
         self.lookup = None
         if prompt_lookup_tokens:
             self.lookup = PromptLookupCandidateGenerator(
-                eos_token_id=eos, num_output_tokens=int(prompt_lookup_tokens), max_matching_ngram_size=2,
+                eos_token_id=None if self.eos is None else torch.tensor(sorted(self.eos)),
+                num_output_tokens=int(prompt_lookup_tokens), max_matching_ngram_size=2,
                 max_length=generation_config.max_length, logits_processor=logits_processor,
                 vocab_size=model.config.get_text_config().vocab_size)
         self._lookup_round = False
@@ -190,6 +191,12 @@ class ExitPathDrafter(CandidateGenerator):
         self._drafted_now = 0
         self._verify_start = None
         self._prefilled = False
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Drafts the next round proposes at most (k; part of the public ``CandidateGenerator``
+        interface since transformers 5.25, which sizes the cache's past recording with it)."""
+        return int(self.num_draft_tokens)
 
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 
+from ..compat import prepare_generation_config
 from ..errors import RiverError
 from .layer import LOSSLESS
 from .lossless import ExitPathDrafter, FirstStop
@@ -32,8 +33,8 @@ def can_draft(model, kwargs: dict, gen_config, prompt, stacklevel: int = 2) -> b
     drafter."""
     # the config transformers' generate will use: the call's config (or a fresh one) with the
     # model's generation_config filling what it leaves unset, then the call's keyword arguments
-    base, _ = model._prepare_generation_config(
-        gen_config, **{k: v for k, v in kwargs.items() if k != "generation_config"})
+    base, _ = prepare_generation_config(
+        model, gen_config, **{k: v for k, v in kwargs.items() if k != "generation_config"})
     given = [k for k in OTHER_DRAFTERS if kwargs.get(k) is not None or getattr(base, k, None) not in (None, False)]
     if given:
         raise RiverError(

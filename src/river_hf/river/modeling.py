@@ -32,6 +32,7 @@ import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # noqa: F401  (AutoConfig: read by .loading)
 
+from ..compat import GenerationHooks, build_from_config
 from ..errors import RiverError
 from .arch import SUPPORTED_MODEL_TYPES, decoder_stack, mix_in
 from .build import KEEP as _KEEP
@@ -62,7 +63,7 @@ __all__ = [
 ]
 
 
-class RiverForCausalLM(RiverSettingsMixin):
+class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
     """River's class: in front of the architecture's own class on every River model, and the
     entry point that builds one (like ``AutoModelForCausalLM``).
 
@@ -189,8 +190,7 @@ class RiverForCausalLM(RiverSettingsMixin):
             RiverError: as for :func:`enable_river`.
         """
         arch = architecture(cls, config)
-        build = arch.from_config if arch is AutoModelForCausalLM else arch._from_config
-        model = build(config, **kwargs)
+        model = build_from_config(arch, config, **kwargs)
         model.eval()
         if river_config is None:
             river_config = saved_river_config(config)
@@ -198,12 +198,6 @@ class RiverForCausalLM(RiverSettingsMixin):
                              lossless=lossless, strategy=strategy, prompt_kernel=prompt_kernel, config=river_config,
                              progress=progress)
         return as_class(model, cls)
-
-    @classmethod
-    def _from_config(cls, config, **kwargs):
-        """What ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` calls through a
-        River folder's ``auto_map``: :meth:`from_config`."""
-        return cls.from_config(config, **kwargs)
 
     def save_pretrained(self, save_directory, *, card: str | None = None, tokenizer=None, **kwargs):
         """Write a River folder (base weights under their own names, config with ``river`` and
@@ -294,24 +288,18 @@ class RiverForCausalLM(RiverSettingsMixin):
         """
         return refresh_exit_layers(self)
 
-    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+    # -- what transformers' generation hooks ask (through river_hf.compat.GenerationHooks) ----------
+
+    def river_candidate_generator(self, generation_config, logits_processor):
         """In a lossless call, River's :class:`~river_hf.river.lossless.ExitPathDrafter`
-        (:func:`~river_hf.river.lossless_generate.drafter`); else transformers' own choice (an
-        ``assistant_model``, prompt lookup, ...)."""
-        candidates = drafter(self, generation_config, logits_processor)
-        if candidates is not None:
-            return candidates
-        return super()._get_candidate_generator(
-            generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
-            logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
-            target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer)
+        (:func:`~river_hf.river.lossless_generate.drafter`); else None (transformers' own choice:
+        an ``assistant_model``, prompt lookup, ...)."""
+        return drafter(self, generation_config, logits_processor)
 
-    def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None):
-        """transformers' own; in a lossless call wrapped in :class:`~river_hf.river.lossless.FirstStop`
+    def river_stopping_criteria(self, criteria):
+        """The call's criteria; in a lossless call wrapped in :class:`~river_hf.river.lossless.FirstStop`
         (asked token by token over each round, so a stop string inside a round stops there)."""
-        return first_stop(self, super()._get_stopping_criteria(generation_config, stopping_criteria, tokenizer))
-
+        return first_stop(self, criteria)
 
     @property
     def river_stats(self) -> dict:
@@ -353,24 +341,16 @@ class RiverForCausalLM(RiverSettingsMixin):
                 kwargs["next_sequence_length"] = feed
         return super().prepare_inputs_for_generation(*args, **kwargs)
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """transformers' own, except that where it would build a ``DynamicCache`` (no cache
-        given, ``cache_implementation`` None or ``"dynamic"``) River builds a :class:`RiverCache`
-        (the same layers, sliding-window ones included, from the config) and, as transformers does
-        for an assistant model's cache, activates its past recording when this model assists
-        another (``generation_config.is_assistant``: the other model will crop it)."""
-        user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-        if (
-            user_cache is None
-            and generation_config.use_cache is not False
-            and generation_config.cache_implementation in (None, "dynamic")
-            and self._supports_default_dynamic_cache()
-        ):
-            model_kwargs["cache"] = RiverCache(config=self.config.get_text_config(decoder=True))
-            if generation_config.is_assistant:
-                model_kwargs["cache"].activate_past_recording()
-            return
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+    def river_default_cache(self, generation_config) -> RiverCache:
+        """The cache of a call that brings none (where transformers would build a ``DynamicCache``):
+        a :class:`RiverCache` (the same layers, sliding-window ones included, from the config),
+        with its past recording on when this model assists another
+        (``generation_config.is_assistant``: the other model will crop it), as transformers does
+        for an assistant's cache."""
+        cache = RiverCache(config=self.config.get_text_config(decoder=True))
+        if generation_config.is_assistant:
+            cache.activate_past_recording()
+        return cache
 
     def init_continuous_batching(self, *args, **kwargs):
         """Refused, and so ``generate_batch``: its passes pack every request in flight into one row and River
@@ -380,14 +360,14 @@ class RiverForCausalLM(RiverSettingsMixin):
                          "the tokens of every request in flight and River takes one exit decision per pass, so answers "
                          "would depend on the other requests; call generate per request (river-hf serve queues them)")
 
-    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
-        """Never auto-compile (a static cache would otherwise compile the forward on a GPU)."""
+    def river_check_compile(self, generation_config) -> None:
+        """River models are never compiled (``generate`` asks before auto-compiling a static cache
+        on a GPU). Raises :class:`RiverError` for a ``compile_config`` that is not disabled."""
         if generation_config.compile_config is not None and not generation_config.disable_compile:
             raise RiverError(
                 "River models cannot be compiled (the exit decision is data-dependent control flow between "
                 "layers): drop compile_config from generate / the generation config"
             )
-        return False
 
     def river_summary(self, seconds: float | None = None, *, log: list | None = None, start: float | None = None,
                       new_tokens: int | None = None, lossless: dict | None = None) -> dict:

@@ -165,7 +165,7 @@ def _source(model) -> dict:
         key, base = saved.get("model_key"), saved.get("base_model")
         return {"base_model": base if isinstance(base, str) and base else None,
                 "model_key": key if key in REGISTRY else None}
-    name = str(getattr(model.config, "_name_or_path", "") or "")
+    name = str(getattr(model.config, "name_or_path", "") or "")
     entry = REGISTRY.get(Path(name.rstrip("/")).name)
     if entry is not None:
         return {"base_model": entry.hub_id, "model_key": entry.key}

@@ -37,6 +37,7 @@ import sys
 import torch
 from transformers import DynamicCache
 
+from ..compat import attn_implementation
 from ..errors import RiverError
 
 __all__ = ["STRATEGIES", "ExitStrategy", "ExitLayers", "Recompute", "SkipDecode", "StatePropagation", "KVMask",
@@ -298,7 +299,7 @@ class KVMask(ExitStrategy):
             if window:
                 allowed &= k > q - window
             mask = allowed[None, None] & present
-            if getattr(attn.config, "_attn_implementation", "sdpa") == "eager":
+            if attn_implementation(attn.config) == "eager":
                 mask = torch.zeros(mask.shape, dtype=hidden_states.dtype, device=mask.device).masked_fill(
                     ~mask, torch.finfo(hidden_states.dtype).min)
         elif mask.dtype == torch.bool:

@@ -57,6 +57,8 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation import GenerationMode
 from transformers.utils import ModelOutput
 
+from ..compat import logits_processors, prepare_generation_config, prepare_lengths
+from ..compat import stopping_criteria as generate_criteria
 from ..errors import RiverError
 from ..quant.dense import SmallBatchLinear
 
@@ -380,7 +382,7 @@ def generate(
         for f in ("max_length", "min_length")
     }
     try:
-        gen_cfg, unused = llm._prepare_generation_config(generation_config, **generation_kwargs)
+        gen_cfg, unused = prepare_generation_config(llm, generation_config, **generation_kwargs)
     except ValueError as e:  # GenerationConfig.validate: e.g. max_new_tokens <= 0
         raise RiverError(f"invalid generation settings: {e}") from e
     for name in ("output_attentions", "output_hidden_states"):  # refused by name below where they would act
@@ -392,7 +394,6 @@ def generate(
         )
     _refuse_unsupported(gen_cfg)
 
-    n_in = input_ids.shape[1]
     prompt = input_ids  # what the models see: the prompt without its padding
     model_kwargs = {}
     if attention_mask is not None and not bool(attention_mask.bool().all()):
@@ -400,37 +401,18 @@ def generate(
         if prompt.shape[1] == 0:
             raise RiverError("the attention mask masks every prompt token: pass at least one unmasked token")
         model_kwargs["attention_mask"] = attention_mask  # RepetitionPenalty skips the padding, as in generate
-    llm._prepare_special_tokens(gen_cfg, attention_mask is not None, device=input_ids.device, batch_size=1)
-    gen_cfg = llm._prepare_generated_length(
-        generation_config=gen_cfg,
-        has_default_max_length=has_default["max_length"],
-        has_default_min_length=has_default["min_length"],
-        model_input_name="input_ids",
-        input_ids_length=n_in,
-        inputs_tensor=input_ids,
-    )
     try:
-        llm._validate_generated_length(gen_cfg, n_in, has_default["max_length"])
+        gen_cfg = prepare_lengths(llm, gen_cfg, input_ids, has_mask=attention_mask is not None,
+                                  has_default=has_default)
     except ValueError as e:  # the prompt is already max_length long
         raise RiverError(str(e)) from e
-    processors = llm._get_logits_processor(
-        generation_config=gen_cfg,
-        input_ids_seq_length=n_in,
-        encoder_input_ids=input_ids,
-        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
-        device=input_ids.device,
-        model_kwargs=model_kwargs,
-    )
+    processors = logits_processors(llm, gen_cfg, input_ids, logits_processor=logits_processor,
+                                   prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, model_kwargs=model_kwargs)
     if gen_cfg.stop_strings is not None and tokenizer is None:
         raise RiverError(
             "stop_strings need the tokenizer to match strings: pass tokenizer= (the LLM's), as generate asks"
         )
-    criteria = llm._get_stopping_criteria(
-        generation_config=gen_cfg,
-        stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
-        tokenizer=tokenizer,
-    )
+    criteria = generate_criteria(llm, gen_cfg, stopping_criteria, tokenizer)
     do_sample = bool(gen_cfg.do_sample)
 
     # -- decoding (R-Stitch Sec. 3)
