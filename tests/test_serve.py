@@ -442,10 +442,12 @@ def test_generate_batch_is_refused_with_the_reason():
 
 
 def test_transformers_serve_loads_a_river_folder_with_trust_remote_code(tmp_path, tiny_folder):
-    """``transformers serve FOLDER --trust-remote-code`` loads through its ModelManager, which tries
-    ``AutoModelForDecision`` first: the folder's auto_map sends it to River's class. Without the flag
-    it is the plain model (as documented). A fresh process: a remote class, once loaded, stays
-    registered with the Auto class in that process."""
+    """``transformers serve FOLDER --trust-remote-code`` on 5.24 loads through its ModelManager,
+    which tries ``AutoModelForDecision`` first: the folder's auto_map sends it to River's class;
+    without the flag it is the plain model (as documented). transformers 5.25's loader
+    (``ModelLoader``, the model in its own process) tries the decision class only for checkpoints
+    with a decision head, so it serves the plain model either way. A fresh process: a remote class,
+    once loaded, stays registered with the Auto class in that process."""
     from transformers import AutoTokenizer
 
     from river_hf import RiverForCausalLM
@@ -454,13 +456,20 @@ def test_transformers_serve_loads_a_river_folder_with_trust_remote_code(tmp_path
     RiverForCausalLM.from_pretrained(tiny_folder, tau=0.5, backend="copy", progress=False).save_pretrained(
         folder, tokenizer=AutoTokenizer.from_pretrained(tiny_folder))
     script = textwrap.dedent(f"""
-        from transformers.cli.serving.model_manager import ModelManager
+        from transformers.cli.serving import model_manager
         from river_hf import RiverForCausalLM
         for trust in (False, True):
-            manager = ModelManager(device="cpu", trust_remote_code=trust, force_model={str(folder)!r})
-            model = manager.loaded_models[{str(folder)!r}].model
+            if hasattr(model_manager, "ModelLoader"):  # transformers >= 5.25
+                loader = model_manager.ModelLoader(device="cpu", trust_remote_code=trust)
+                model, _ = loader.load_model_and_processor({str(folder)!r})
+            else:
+                manager = model_manager.ModelManager(device="cpu", trust_remote_code=trust, force_model={str(folder)!r})
+                model = manager.loaded_models[{str(folder)!r}].model
             print(trust, type(model).__name__, isinstance(model, RiverForCausalLM))
+        print(hasattr(model_manager, "ModelLoader"))
     """)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split("\n")[:2] == ["False LlamaForCausalLM False", "True RiverLlamaForCausalLM True"]
+    lines = res.stdout.split("\n")
+    river = "LlamaForCausalLM False" if lines[2] == "True" else "RiverLlamaForCausalLM True"
+    assert lines[:2] == ["False LlamaForCausalLM False", f"True {river}"]
