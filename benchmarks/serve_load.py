@@ -5,8 +5,10 @@ free loopback port, stopped by this script:
 
 - ``plain``: ``transformers serve FOLDER`` (transformers' own server on the unmodified model: the
   folder ``river_hf.resolve(MODEL)`` converted, fp32 on CPU);
-- ``river``: ``river-hf serve MODEL`` (River route mode, the model's default settings);
-- ``lossless``: ``river-hf serve MODEL --lossless``.
+- ``river``: ``river-hf serve MODEL`` (River route mode, the model's default settings; waiting
+  requests with the same sampling settings run as one ``generate`` batch);
+- ``river-fifo``: ``river-hf serve MODEL --fifo`` (one request at a time; not in the default list);
+- ``lossless``: ``river-hf serve MODEL --lossless`` (always one request at a time).
 
 Each gets one untimed warm-up request, then exactly ``--requests`` streamed chat completions
 (greedy, ``--max-tokens`` new tokens at most, prompts cycled from ``PROMPTS``) sent by
@@ -16,7 +18,7 @@ counted as errors), and each request times out at the limit. Per server: request
 latency p50/p95 (request sent to last byte, s), TTFT p50/p95 (to the first content chunk, s),
 throughput (completion tokens of all requests / wall time of the phase, tokens/s) and, for the
 River servers, the mean of the per-call ``river`` figures (decode tokens/s, mean exit layer or
-acceptance rate, seconds queued). JSON (with the command) + PNG.
+acceptance rate, seconds queued, requests per batch). JSON (with the command) + PNG.
 
     python benchmarks/serve_load.py --model smollm2-135m --requests 32 --clients 4 --max-tokens 64 \\
         --out docs/results/serve_load_smollm2-135m.json
@@ -37,7 +39,8 @@ import threading
 import time
 from pathlib import Path
 
-SERVERS = ("plain", "river", "lossless")
+SERVERS = ("plain", "river", "river-fifo", "lossless")
+DEFAULT_SERVERS = ("plain", "river", "lossless")
 PROMPTS = (
     "What is the capital of France?",
     "Write a Python function that checks whether a number is prime.",
@@ -49,6 +52,7 @@ PROMPTS = (
     "How do I reverse a list in Python?",
 )
 HOST = "127.0.0.1"
+COLORS = {"plain": "gray", "river": "tab:blue", "river-fifo": "tab:cyan", "lossless": "tab:green"}
 
 
 def free_port() -> int:
@@ -65,7 +69,7 @@ def server_command(kind: str, model: str, port: int) -> list[str]:
 
         return [str(bin_dir / "transformers"), "serve", resolve(model, progress=False), "--host", HOST, "--port",
                 str(port), "--device", "cpu", "--dtype", "float32"]
-    flags = ["--lossless"] if kind == "lossless" else []
+    flags = {"lossless": ["--lossless"], "river-fifo": ["--fifo"]}.get(kind, [])
     return [str(bin_dir / "river-hf"), "serve", model, "--host", HOST, "--port", str(port), "--device", "cpu",
             "--no-progress", *flags]
 
@@ -185,7 +189,7 @@ def summarize(phase: dict) -> dict:
             return statistics.fmean(vals) if vals else None
 
         out["river"] = {k: mean(k) for k in ("decode_tokens_per_s", "mean_exit_layer", "acceptance_rate",
-                                             "tokens_per_verify", "queued_seconds", "seconds")}
+                                             "tokens_per_verify", "queued_seconds", "seconds", "batch_size")}
         out["river"]["mode"] = rivers[0].get("mode")
     return out
 
@@ -227,7 +231,7 @@ def plot(report: dict, png: str) -> None:
     kinds = [k for k in SERVERS if k in report["servers"]]
     rows = [report["servers"][k] for k in kinds]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.bar(kinds, [r["throughput_tokens_per_s"] or 0 for r in rows], color=["gray", "tab:blue", "tab:green"][:len(kinds)])
+    ax1.bar(kinds, [r["throughput_tokens_per_s"] or 0 for r in rows], color=[COLORS[k] for k in kinds])
     ax1.set_ylabel("completion tokens/s, all clients")
     ax1.set_title(f"throughput, {report['clients']} clients")
     x = range(len(kinds))
@@ -248,7 +252,7 @@ def plot(report: dict, png: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--servers", default=",".join(SERVERS), help="comma list of plain, river, lossless")
+    p.add_argument("--servers", default=",".join(DEFAULT_SERVERS), help=f"comma list of {', '.join(SERVERS)}")
     p.add_argument("--requests", type=int, default=32, help="requests per server")
     p.add_argument("--clients", type=int, default=4, help="concurrent client threads")
     p.add_argument("--max-tokens", type=int, default=64)

@@ -1,4 +1,4 @@
-"""``river-hf serve``: an OpenAI-compatible HTTP server (``transformers serve``'s own app) on a River model.
+"""``river-hf serve``: River's OpenAI-compatible HTTP server (FastAPI + uvicorn, :mod:`.app`) on a River model.
 
 Arguments are checked before anything heavy is imported or loaded (a bad τ, a port in use, the
 serving extras missing: one ``river-hf: error:`` line, exit 2); the model is loaded before the
@@ -18,16 +18,8 @@ import sys
 from ..cli_args import add_river_arguments, check_lossless_flags, parse_taus, positive_int, river_overrides
 from ..errors import RiverError
 
-#: The packages ``transformers.cli.serving`` needs (transformers' ``is_serve_available``).
-SERVING_MODULES = ("fastapi", "uvicorn", "pydantic", "openai")
-
-#: Why ``--continuous-batching`` is refused (see ``RiverForCausalLM.init_continuous_batching``).
-NO_CONTINUOUS_BATCHING = (
-    "--continuous-batching is not supported with River: transformers' continuous batching packs the tokens of "
-    "every request in flight into one pass, and River takes one exit decision per pass, so a request's answer would "
-    "depend on the other requests (measured: 2 of 4 SmolLM2 answers changed), its statistics would be lost, and "
-    "lossless mode drafts and verifies one sequence at a time; river-hf serve answers requests one at a time, "
-    "in arrival order")
+#: The packages the server needs (the ``serve`` extra).
+SERVING_MODULES = ("fastapi", "uvicorn")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -35,11 +27,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve a River model over HTTP (OpenAI-compatible, transformers serve's app)",
-        description="Serve one River model with transformers' OpenAI-compatible server (/v1/chat/completions, "
-                    "/v1/completions, /v1/responses, /v1/models, /health; streaming over SSE). Each completion "
-                    "carries the call's River statistics under a \"river\" key. Requests are answered one at a "
-                    "time, in arrival order.",
+        help="serve a River model over HTTP (OpenAI-compatible)",
+        description="Serve one River model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+                    "/v1/completions, /v1/models, /health; streaming over SSE). Each completion carries the "
+                    "call's River statistics under a \"river\" key. Waiting requests with the same sampling "
+                    "settings run together as one batch (--batching, the default), or one at a time in arrival "
+                    "order (--fifo; lossless mode always).",
     )
     p.add_argument("model", help="model key, saved River folder or Hub id; requests name it (or omit \"model\")")
     p.add_argument("--tau", default=None, help="state transition similarity threshold τ; > 1 never exits "
@@ -54,8 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-tokens-limit", type=positive_int, default=None,
                    help="largest max_tokens a request may ask for (default: the model's context length)")
-    p.add_argument("--continuous-batching", action="store_true",
-                   help="refused with River (its passes mix requests; see docs/serve.md)")
+    batching = p.add_mutually_exclusive_group()
+    batching.add_argument("--batching", dest="fifo", action="store_false", default=False,
+                          help="run the requests waiting when the model is free as one generate batch (default)")
+    batching.add_argument("--continuous-batching", dest="fifo", action="store_false",
+                          help="the same as --batching (River batches with its own scheduler)")
+    batching.add_argument("--fifo", dest="fifo", action="store_true",
+                          help="one request at a time, in arrival order")
+    p.add_argument("--max-batch-size", type=positive_int, default=8,
+                   help="most requests in one generate batch (default: %(default)s)")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="transformers' and uvicorn's log level (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars while the model loads")
@@ -64,11 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def check_args(args) -> dict:
     """``RiverForCausalLM.from_pretrained`` settings from the arguments, checked before any import of
-    torch. Raises :class:`RiverError` (one line) for a bad τ, kernel, port or device, for
-    ``--continuous-batching``, ``--draft-tokens`` without ``--lossless``, a port already in use
-    on that host, or the serving extras not installed."""
-    if args.continuous_batching:
-        raise RiverError(NO_CONTINUOUS_BATCHING)
+    torch. Raises :class:`RiverError` (one line) for a bad τ, kernel, port or device,
+    ``--draft-tokens`` without ``--lossless``, a port already in use on that host, or the serving
+    extras not installed."""
     if not 0 <= args.port <= 65535:
         raise RiverError(f"--port must be from 0 to 65535, got {args.port}")
     check_lossless_flags(args)
@@ -84,7 +82,7 @@ def check_args(args) -> dict:
         settings["lossless"] = True
     missing = [m for m in SERVING_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        raise RiverError(f"river-hf serve needs transformers' serving packages ({', '.join(missing)} missing): "
+        raise RiverError(f"river-hf serve needs fastapi and uvicorn ({', '.join(missing)} missing): "
                          "pip install \"river-hf[serve]\" (or run bash scripts/setup.sh)")
     _check_port_free(args.host, args.port)
     return settings
@@ -114,7 +112,7 @@ def run_serve(args) -> int:
     import uvicorn
     from transformers.utils import logging as hf_logging
 
-    from .app import ReadyServer, RiverModelManager, build_app
+    from .app import ReadyServer, build_app, load_model
 
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise RiverError("--device cuda was asked for, but this torch build sees no CUDA GPU; use --device cpu")
@@ -122,15 +120,18 @@ def run_serve(args) -> int:
     hf_logging.get_logger("transformers").setLevel(hf_logging.log_levels[args.log_level])
     if args.no_progress:
         hf_logging.disable_progress_bar()
-    manager = RiverModelManager(args.model, river_kwargs=settings, draft_tokens=args.draft_tokens, device=device,
-                                dtype="float32" if device == "cpu" else "bfloat16", progress=not args.no_progress)
-    model = manager.model
+    model, tokenizer = load_model(args.model, river_kwargs=settings, draft_tokens=args.draft_tokens, device=device,
+                                  dtype="float32" if device == "cpu" else "bfloat16", progress=not args.no_progress)
     mode = "lossless" if args.lossless else "route"
-    app = build_app(manager, max_tokens_limit=args.max_tokens_limit)
+    app = build_app(model, tokenizer, args.model, max_tokens_limit=args.max_tokens_limit, batching=not args.fifo,
+                    max_batch_size=args.max_batch_size)
+    batch = app.state.scheduler.max_batch_size
+    queueing = f"batches of up to {batch}" if batch > 1 else "one request at a time"
 
     def ready(host, port) -> None:
         print(f"river-hf serve: ready on http://{host}:{port} (model {args.model!r}, River {mode}, τ "
-              f"{model.river_config.tau}, {model.river.num_layers} layers, {device}); Ctrl-C stops it", flush=True)
+              f"{model.river_config.tau}, {model.river.num_layers} layers, {device}, {queueing}); Ctrl-C stops it",
+              flush=True)
 
     server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), on_ready=ready)
     try:
