@@ -65,15 +65,23 @@ def _private_names_of_transformers() -> set[str]:
 
 def _uses(path: Path, private: set[str]) -> list[tuple[str, int]]:
     """``(name, line)`` of every use of a transformers private name in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    own = {n.attr for n in ast.walk(tree)  # self._x = ...: an attribute of the module's own classes
+           if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and getattr(n.value, "id", None) == "self"}
+    # a def can override transformers' method only in a class with a base; own helpers elsewhere are not uses
+    overridable = {id(f) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.bases for f in c.body
+                   if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    own |= {f.name for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and id(f) not in overridable}
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers"):
             names = [a.name for a in node.names]
             names += [p for p in node.module.split(".") if p.startswith("_")]
         elif isinstance(node, ast.Attribute):
-            names = [node.attr]
+            names = [] if getattr(node.value, "id", None) == "self" and node.attr in own else [node.attr]
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names = [node.name]
+            names = [node.name] if id(node) in overridable else []
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
             names = [node.value]
         else:
@@ -119,3 +127,40 @@ def test_each_private_name_still_exists_in_this_transformers(private):
     """A transformers release that drops one of them fails here by name, not deep inside generate."""
     missing = sorted(set(compat.PRIVATE_NAMES) - private)
     assert missing == [], f"transformers {transformers.__version__} no longer defines {missing}: adapt river_hf/compat.py"
+
+
+def test_exit_copies_run_the_architectures_code_when_the_backbone_was_kernelized():
+    """transformers >= 5.25 ``kernelize``s models in ``from_pretrained`` (the ``kernels`` library sets
+    a per-instance ``forward`` and ``_kernel_repo`` on each layer it swaps for a Hub kernel; on this
+    CPU none is swapped, so the swap is simulated here the way ``kernels`` does it). The backbone keeps
+    its kernel (τ > 1 is the plain model's path); the exit copies, whose Linears are River's own
+    quantized modules, run the architecture's torch code."""
+    import types
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from river_hf import enable_river
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(config).eval()
+    calls = []
+
+    def hub_kernel_forward(self, hidden_states):  # a stand-in Hub kernel: the same math, counted
+        calls.append(self)
+        return type(self).forward(self, hidden_states)
+
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm, layer.mlp):
+            norm.forward = types.MethodType(hub_kernel_forward, norm)
+            norm.__dict__["_kernel_repo"] = "kernels-community/stand-in"
+    enable_river(model, tau=2.0, backend="int8", tuner=False, progress=False)
+    for layer in model.model.layers:
+        assert "forward" in layer.backbone.input_layernorm.__dict__ and "forward" in layer.backbone.mlp.__dict__
+        assert not any("forward" in m.__dict__ for m in layer.exit_layer.modules())
+    x = torch.tensor([[1, 2, 3, 4]])
+    model.generate(x, max_new_tokens=2, do_sample=False)
+    assert calls and all(any(m is layer.backbone.input_layernorm or m is layer.backbone.mlp
+                             for layer in model.model.layers) for m in calls)
