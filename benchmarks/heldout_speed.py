@@ -2,7 +2,8 @@
 
 One process. Every method decodes the same prompts (``--prompts``, e.g. ``humaneval:100-102``:
 problems no default was chosen on), greedy, exactly ``--new-tokens`` new tokens each (EOS
-suppressed), batch 1. Methods (``--methods``, default all that can run here):
+suppressed); ``--batch N`` decodes the prompts N at a time, left-padded, as one ``generate`` call
+each (every row exactly ``--new-tokens``; tokens/s count every row's tokens). Methods (``--methods``, default all that can run here):
 
 - ``unmodified`` (the reference): the plain transformers model in fp32 (``river_hf.plain_model``:
   the architecture's own class over River's backbone tensors, no River code on its path);
@@ -101,6 +102,18 @@ def eos_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
+def _left_padded(rows: list, pad: int) -> tuple:
+    """``(input_ids, attention_mask)``, ``LongTensor [len(rows), longest]`` each: the ``[1, n]``
+    prompts of ``rows`` left-padded with ``pad`` (mask 0 there), as generate expects a batch."""
+    longest = max(r.shape[1] for r in rows)
+    ids = torch.full((len(rows), longest), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, longest - r.shape[1]:] = r[0]
+        mask[i, longest - r.shape[1]:] = 1
+    return ids, mask
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -111,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set-name", default="held-out", choices=("tuning", "held-out"))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences per generate call, left-padded (default: 1; llama.cpp runs batch 1 only)")
     ap.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads (default: torch's)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a RiverConfig field for every River model (JSON value), e.g. fuse_projections=true")
@@ -130,8 +145,12 @@ def main(argv=None) -> int:
         ap.error(f"--methods: unknown {unknown}" if unknown else "--methods must include unmodified")
     if "llama.cpp" in methods and not has_llama:
         ap.error("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python builds it from source)")
-    if args.new_tokens < 2 or args.repeats < 1:
-        ap.error("--new-tokens must be >= 2 and --repeats >= 1")
+    if args.new_tokens < 2 or args.repeats < 1 or args.batch < 1:
+        ap.error("--new-tokens must be >= 2, --repeats >= 1 and --batch >= 1")
+    if args.batch > 1 and "llama.cpp" in methods:
+        if args.methods:
+            ap.error("llama.cpp runs batch 1 only: leave it out of --methods with --batch > 1")
+        methods.remove("llama.cpp")
     from river_hf.errors import RiverError
     from river_hf.river.config import RiverConfig
 
@@ -197,6 +216,10 @@ def main(argv=None) -> int:
         river16, plain16 = load(torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(resolve(args.model, progress=False))
     prompts = [encode_prompt(tok, text)["input_ids"] for text in texts]
+    if len(prompts) % args.batch:
+        ap.error(f"--prompts: {len(prompts)} prompts do not split into batches of {args.batch}")
+    batches = [_left_padded(prompts[i:i + args.batch], tok.pad_token_id if tok.pad_token_id is not None else 0)
+               for i in range(0, len(prompts), args.batch)]
     eos = eos_ids(tok, river)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad,
@@ -222,9 +245,10 @@ def main(argv=None) -> int:
 
     def run(method):
         measurements, outs, rows = [], [], []
-        for ids in prompts:
+        for ids, mask in batches:
             if method == "llama.cpp":
                 m, new = llm.run(ids)
+                new = [new]
             else:
                 bf16 = method.endswith("-bf16")
                 onednn = method.endswith("-onednn")
@@ -237,9 +261,9 @@ def main(argv=None) -> int:
                         (packed if onednn else contextlib.nullcontext()), \
                         (prompt_kernels_off(model) if noprompt else contextlib.nullcontext()):
                     timer.reset()
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=timer, **gen)
-                new = out[0, ids.shape[1]:].tolist()
-                m = timer.measurement(returned_tokens=len(new))
+                    out = model.generate(ids, attention_mask=mask, streamer=timer, **gen)
+                new = out[:, ids.shape[1]:].tolist()
+                m = timer.measurement(returned_tokens=sum(len(row) for row in new))
                 if mode is None:
                     m.weight_bytes_per_step = full_bytes[torch.bfloat16 if bf16 else torch.float32]
                 else:
@@ -248,9 +272,10 @@ def main(argv=None) -> int:
                     rows.append({k: s.get(k) for k in ("mode", "mean_exit_layer", "exit_fraction")}
                                 | ({"acceptance_rate": s["lossless"].get("acceptance_rate"),
                                     "draft_cost_steps": s["lossless"].get("draft_cost_steps"),
-                                    "verify_cost_steps": s["lossless"].get("verify_cost_steps")} if mode == "lossless" else {}))
+                                    "verify_cost_steps": s["lossless"].get("verify_cost_steps")}
+                                   if mode == "lossless" and s.get("lossless") else {}))
             measurements.append(m)
-            outs.append(new)
+            outs.extend(new)
         tokens[method], stats[method] = outs, rows
         return measurements
 
@@ -259,7 +284,8 @@ def main(argv=None) -> int:
     ref = tokens["unmodified"]
     report = {
         "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-        "model": args.model, "set": args.set_name, "prompts": names, "new_tokens": args.new_tokens, "greedy": True,
+        "model": args.model, "set": args.set_name, "prompts": names, "new_tokens": args.new_tokens, "batch": args.batch,
+        "greedy": True,
         "eos_suppressed": "one index fill of the EOS logits per step (SuppressIds / llama.cpp logits_processor)",
         "threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count(),
         "river_config": river.river_config.to_dict(), "overrides": overrides,
@@ -294,7 +320,8 @@ def markdown(report: dict) -> str:
     triad = comp["stream_triad_gb_s"]
     lines = [f"`{report['command']}`", "",
              f"{report['model']}, {report['set']} set: {', '.join(report['prompts'])}, greedy, exactly "
-             f"{report['new_tokens']} new tokens each ({report['eos_suppressed']}); reference: {comp['reference_kind']}; "
+             f"{report['new_tokens']} new tokens each ({report['eos_suppressed']}), batch {report.get('batch', 1)}"
+             f"{' (left-padded; tokens/s count every row)' if report.get('batch', 1) > 1 else ''}; reference: {comp['reference_kind']}; "
              f"{report['protocol']}; {report['threads']} threads; STREAM triad {triad or float('nan'):.1f} GB/s; "
              f"1-minute load {report['load_avg_1m_before']:.2f} before, {report['load_avg_1m_after']:.2f} after.", ""]
     lines += markdown_rows(comp, {
@@ -309,7 +336,8 @@ def _figure(report: dict):
 
     return bar_figure(
         report["comparison"]["rows"],
-        f"{report['model']}: {report['set']} set of {len(report['prompts'])} prompts, {report['new_tokens']} tokens each",
+        f"{report['model']}: {report['set']} set of {len(report['prompts'])} prompts, {report['new_tokens']} tokens each, "
+        f"batch {report.get('batch', 1)}",
         color=lambda n: "#888" if n.startswith("unmodified") else "#2ca02c" if n == "llama.cpp" else "#1f77b4")
 
 

@@ -161,3 +161,22 @@ def test_prompt_kernel_benchmark_refuses_bad_problem_ranges(problems, tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.main(["--problems", problems, "--out", str(tmp_path / "x.json")])
     assert e.value.code == 2 and not (tmp_path / "x.json").exists()
+
+
+def test_batch_runs_left_padded_batches_with_every_rows_tokens(tiny_folder, tmp_path):
+    """``--batch 2`` decodes two prompts of different lengths as one left-padded generate call: every
+    row gets exactly --new-tokens, the unmodified rows equal each prompt decoded alone (greedy, the
+    plain model), and τ > 1 River rows equal the unmodified rows."""
+    import json
+
+    bench = load_benchmark("heldout_speed")
+    out, alone = tmp_path / "b.json", tmp_path / "a.json"
+    common = ["--model", tiny_folder, "--methods", "unmodified,river", "--prompts", "humaneval:0-1",
+              "--new-tokens", "4", "--repeats", "1", "--set", "tau=2.0"]
+    assert bench.main([*common, "--batch", "2", "--out", str(out)]) == 0
+    assert bench.main([*common, "--out", str(alone)]) == 0
+    batched, solo = json.loads(out.read_text()), json.loads(alone.read_text())
+    assert batched["batch"] == 2 and all(len(row) == 4 for t in batched["tokens"].values() for row in t)
+    assert batched["tokens"]["unmodified"] == solo["tokens"]["unmodified"]
+    assert batched["tokens"]["river"] == batched["tokens"]["unmodified"]
+    assert "batch 2" in (tmp_path / "b.md").read_text()
