@@ -396,7 +396,8 @@ def _register_router_hooks(stack: nn.Module, router: RiverRouter) -> list:
     def begin(module, args, kwargs):
         if torch.compiler.is_compiling():
             _refuse_compile()
-        router.begin(kwargs.get("attention_mask"), new_tokens(args, kwargs)[1], cache_of(kwargs))
+        batch, tokens = new_tokens(args, kwargs)
+        router.begin(kwargs.get("attention_mask"), tokens, cache_of(kwargs), batch=batch)
 
     def end(module, args, kwargs, output):
         batch, tokens = new_tokens(args, kwargs)

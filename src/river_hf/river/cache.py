@@ -23,20 +23,27 @@ class RiverCache(DynamicCache):
         exit_layers: per step, the index of the first layer served by its exit copy (the number
             of backbone layers run); ``num_layers`` when the step never left the backbone.
         step_tokens: per step, the number of tokens in that forward pass (prefill: the prompt).
+        row_exit_layers: per step, None when every row of the batch exited at ``exit_layers``'
+            layer, else the exit layer of each row (a batch whose rows exited at different
+            layers; ``exit_layers`` then holds the deepest).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.exit_layers: list[int] = []
         self.step_tokens: list[int] = []
+        self.row_exit_layers: list[tuple[int, ...] | None] = []
 
-    def record_exit_layer(self, exit_layer: int, tokens: int) -> None:
-        """Called by the River router at the end of each forward pass."""
+    def record_exit_layer(self, exit_layer: int, tokens: int, row_exit_layers=None) -> None:
+        """Called by the River router at the end of each forward pass (``row_exit_layers``: each
+        row's exit layer when the rows differ, else None)."""
         self.exit_layers.append(int(exit_layer))
         self.step_tokens.append(int(tokens))
+        self.row_exit_layers.append(None if row_exit_layers is None else tuple(int(e) for e in row_exit_layers))
 
     def served_by_exit(self, num_layers: int) -> torch.Tensor:
-        """``[steps, num_layers]`` bool: True where layer j of step s ran its exit copy."""
+        """``[steps, num_layers]`` bool: True where layer j of step s ran its exit copy (for a step
+        whose rows exited at different layers: for every row, see ``row_exit_layers``)."""
         layers = torch.arange(num_layers)
         return torch.tensor(self.exit_layers, dtype=torch.long)[:, None] <= layers[None, :]
 
@@ -73,3 +80,5 @@ class RiverCache(DynamicCache):
                 break
             remove -= self.step_tokens.pop()
             self.exit_layers.pop()
+            if self.row_exit_layers:
+                self.row_exit_layers.pop()

@@ -10,6 +10,12 @@ Every rule sees the same arguments:
     hidden_out (Tensor): its output hidden states, same shape and dtype.
     token_mask (BoolTensor or None): ``[batch, tokens]``, ``True`` for real tokens; ``None`` when
         every position is real. Padding positions must not drive the decision.
+
+``rule(...)`` decides for the whole batch (one answer). ``rule.per_row(...)`` decides per row
+(route mode with a batch: each row leaves the backbone on its own tokens); it returns ``None`` (no
+opinion for any row), a bool (the same answer for every row), or a ``[batch]`` sequence / bool
+tensor of per-row answers (``None`` entries: no opinion for that row). The base class asks
+``__call__`` once per row, so a rule that only defines ``__call__`` works per row too.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ __all__ = [
     "MinLayerRule",
     "StateTransitionSimilarityRule",
     "state_transition_similarity",
+    "row_similarity",
     "rules_from_config",
 ]
 
@@ -46,10 +53,23 @@ def state_transition_similarity(
     Returns:
         A 0-dim float32 tensor in [-1, 1]. Cost: O(batch x tokens x hidden).
     """
+    return row_similarity(hidden_in, hidden_out, token_mask).amin()
+
+
+def row_similarity(hidden_in: torch.Tensor, hidden_out: torch.Tensor,
+                   token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The state transition similarity of each row: cosine of a layer's input and output hidden
+    states, minimum over that row's real tokens (its padding never counts).
+
+    Args: as :func:`state_transition_similarity`.
+
+    Returns:
+        ``[batch]`` float32; ``inf`` for a row with no real token in the pass (it holds nothing back).
+    """
     cos = torch.nn.functional.cosine_similarity(hidden_in.float(), hidden_out.float(), dim=-1)
     if token_mask is not None:
         cos = cos.masked_fill(~token_mask, float("inf"))
-    return cos.amin()
+    return cos.amin(dim=-1)
 
 
 class ExitRule:
@@ -57,6 +77,12 @@ class ExitRule:
 
     def __call__(self, layer_idx, hidden_in, hidden_out, token_mask) -> bool | None:  # pragma: no cover
         raise NotImplementedError
+
+    def per_row(self, layer_idx, hidden_in, hidden_out, token_mask):
+        """Per-row answers (see the module docstring); this default asks :meth:`__call__` once per
+        row with that row's slices."""
+        return [self(layer_idx, hidden_in[r:r + 1], hidden_out[r:r + 1],
+                     None if token_mask is None else token_mask[r:r + 1]) for r in range(hidden_in.shape[0])]
 
     def to_dict(self) -> dict:
         """JSON-able settings; ``rules_from_config`` builds the rule back from them."""
@@ -78,6 +104,8 @@ class MinLayerRule(ExitRule):
     def __call__(self, layer_idx, hidden_in, hidden_out, token_mask):
         return False if layer_idx + 1 < self.min_layer else None
 
+    per_row = __call__  # the same answer for every row
+
 
 class StateTransitionSimilarityRule(ExitRule):
     """Exit when the state transition similarity exceeds ``tau`` (River-LLM, Sec. 3.2).
@@ -94,6 +122,11 @@ class StateTransitionSimilarityRule(ExitRule):
             return False
         return bool(state_transition_similarity(hidden_in, hidden_out, token_mask) > self.tau)
 
+    def per_row(self, layer_idx, hidden_in, hidden_out, token_mask):
+        if self.tau > 1.0:
+            return False
+        return row_similarity(hidden_in, hidden_out, token_mask) > self.tau
+
 
 class ExitRuleList(list):
     """Rules asked in order; the first ``True``/``False`` answer wins, default: stay."""
@@ -104,6 +137,24 @@ class ExitRuleList(list):
             if decision is not None:
                 return decision
         return False
+
+    def per_row(self, layer_idx, hidden_in, hidden_out, token_mask) -> list[bool]:
+        """One decision per row (``[batch]`` bools, True: the row exits): for each row, the first
+        rule with an answer for that row wins; default: stay. At batch 1 this is ``[self(...)]``."""
+        batch = hidden_in.shape[0]
+        decided: list = [None] * batch
+        for rule in self:
+            answer = rule.per_row(layer_idx, hidden_in, hidden_out, token_mask)
+            if answer is None:
+                continue
+            if isinstance(answer, bool):
+                answer = [answer] * batch
+            elif isinstance(answer, torch.Tensor):
+                answer = answer.tolist()
+            decided = [d if d is not None else a for d, a in zip(decided, answer)]
+            if all(d is not None for d in decided):
+                break
+        return [bool(d) for d in decided]  # None (no rule decided): stay
 
     def to_list(self) -> list[dict]:
         return [rule.to_dict() for rule in self]

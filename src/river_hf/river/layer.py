@@ -12,6 +12,11 @@ through the original head (so τ > 1 stays token-identical to the unmodified mod
 
 One :class:`RiverRouter` per model holds the exit decision of the forward pass in flight, per thread
 (the state of one call lives with that call, not on the shared model).
+
+In a batch, each row exits on its own tokens (strategies with ``per_row``, on a cache that
+:func:`~river_hf.river.rows.splittable` accepts): once rows disagree, each layer runs its backbone
+on the rows still on it and the strategy on the rows that left, and the head reads each row
+through its own head. While all rows agree (always at batch 1) nothing is gathered or scattered.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from torch import nn
 
 from .controllers import ExitRuleList
+from .rows import rows_kwargs, splittable, take_rows
 from .strategies import ExitStrategy, get_strategy
 
 __all__ = ["RiverRouter", "RiverLayer", "RiverHead", "ROUTE", "BACKBONE_ONLY", "EXIT_ONLY", "LOSSLESS", "MODES",
@@ -72,6 +78,10 @@ class _ThreadState(threading.local):
         self.pass_strategy = _EXIT_LAYERS if self.exited or strategy is None else strategy
         self.mask = None
         self.token_mask = None
+        self.per_row = False  # rows may exit at different layers in this pass
+        self.row_exits: list[int] | None = None  # per-row exit layers once rows disagreed, else None
+        self.backbone_rows: torch.Tensor | None = None  # once rows disagreed: rows still on the backbone
+        self.exit_rows: torch.Tensor | None = None  # ... and rows that left it (ascending long tensors)
 
 
 class RiverRouter:
@@ -93,7 +103,9 @@ class RiverRouter:
         prefill: how multi-token passes are routed (:data:`PREFILL_POLICIES`).
         exited: whether the pass in flight (this thread's) has left the backbone.
         exit_layer: for this thread's pass in flight, index of the first layer served by its exit
-            copy (= number of backbone layers run); L when the pass never left the backbone.
+            copy (= number of backbone layers run); L when the pass never left the backbone. In a
+            batch whose rows exited at different layers: the deepest row's (L when a row stayed).
+        row_exit_layers: the exit layer of each row of the pass in flight (a list of ints).
     """
 
     def __init__(self, rules: ExitRuleList, num_layers: int, prefill: str = "route", strategy="river"):
@@ -139,6 +151,11 @@ class RiverRouter:
     def exit_layer(self) -> int:
         return self._local.exit_layer
 
+    def row_exit_layers(self, batch: int) -> list[int]:
+        """Exit layer of each of the ``batch`` rows of this thread's pass in flight."""
+        local = self._local
+        return list(local.row_exits) if local.row_exits is not None else [local.exit_layer] * batch
+
     @contextlib.contextmanager
     def override(self, *, mode: str | None = None, rules: ExitRuleList | None = None, strategy=None):
         """Within the block, this thread's passes use ``mode``, ``rules`` and/or ``strategy`` (a
@@ -162,7 +179,10 @@ class RiverRouter:
         """Within the block, this thread's forward passes are logged into the yielded list, one
         ``(batch, tokens, exit_layer, end_time)`` tuple per pass (``end_time``:
         ``time.perf_counter()`` seconds when it finished). Outside a recording nothing is kept, so
-        forward-only loops grow no log. Nests: an inner recording gets its own list."""
+        forward-only loops grow no log. Nests: an inner recording gets its own list.
+
+        Each tuple has a fifth entry, the exit layer of each row (a tuple of ``batch`` ints; in a
+        batch whose rows exited at different layers ``exit_layer`` is the deepest of them)."""
         local = self._local
         old, local.log = local.log, []
         try:
@@ -197,7 +217,7 @@ class RiverRouter:
         self._local.decode_pass = True
         self._local.full_depth = full_depth
 
-    def begin(self, attention_mask, tokens: int = 1, cache=None) -> None:
+    def begin(self, attention_mask, tokens: int = 1, cache=None, batch: int | None = None) -> None:
         """Start a forward pass of ``tokens`` new tokens per row (in this thread).
 
         Args:
@@ -207,6 +227,7 @@ class RiverRouter:
                 neither, every position counts as real.
             tokens: new tokens per row in this pass.
             cache: the pass's KV cache (the strategy may cap the exit layer from it), or None.
+            batch: rows in this pass (None: not known); at 1 the per-row machinery is not set up.
 
         Raises:
             RiverError: the strategy in force needs a dynamic cache and ``cache`` is another kind.
@@ -221,29 +242,75 @@ class RiverRouter:
         if strategy is not None and not strategy.runs_exit_layers:
             strategy.check_cache(cache)
             local.cap = strategy.exit_cap(cache, self.num_layers)
+        local.per_row = (batch != 1 and strategy is not None and strategy.per_row and not local.stay
+                         and splittable(cache))
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             local.mask = attention_mask
         else:
             local.mask = local.next_mask
         local.next_mask = None
 
-    def after_backbone(self, layer_idx: int, hidden_in: torch.Tensor, hidden_out: torch.Tensor) -> None:
-        """Ask the rules whether the layers after ``layer_idx`` run as exit layers."""
+    def after_backbone(self, layer_idx: int, hidden_in: torch.Tensor, hidden_out: torch.Tensor,
+                       rows: torch.Tensor | None = None) -> None:
+        """Ask the rules whether the layers after ``layer_idx`` run as exit layers.
+
+        Args:
+            layer_idx: the backbone layer that just ran.
+            hidden_in, hidden_out: its input and output, ``[n, tokens, hidden]``.
+            rows: the batch rows those ``n`` rows are (``[n]`` long, ascending), None: all rows.
+        """
         local = self._local
         if local.stay or local.exited or layer_idx + 1 >= self.num_layers:
             return
-        if layer_idx + 1 >= local.cap or self.rules(layer_idx, hidden_in, hidden_out, self._tokens(hidden_in.shape[1])):
-            local.exited = True
-            local.exit_layer = layer_idx + 1
+        mask = self._tokens(hidden_in.shape[1])
+        if layer_idx + 1 >= local.cap:
+            votes = None  # every row exits
+        elif local.per_row and (hidden_in.shape[0] > 1 or rows is not None):
+            if rows is not None and mask is not None:
+                mask = mask.index_select(0, rows.to(mask.device))
+            votes = self.rules.per_row(layer_idx, hidden_in, hidden_out, mask)
+            if not any(votes):
+                return
+            if not all(votes):
+                self._rows_exit(layer_idx, hidden_in.shape[0], rows, votes, hidden_in.device)
+                return
+        elif self.rules(layer_idx, hidden_in, hidden_out, mask):
+            votes = None
+        else:
+            return
+        local.exited = True  # every row still on the backbone leaves it here
+        local.exit_layer = layer_idx + 1
+        if local.row_exits is not None:
+            for r in local.backbone_rows.tolist():
+                local.row_exits[r] = layer_idx + 1
+            local.backbone_rows = local.exit_rows = None
+
+    def _rows_exit(self, layer_idx: int, n: int, rows: torch.Tensor | None, votes: list[bool], device) -> None:
+        """Some of the ``n`` backbone rows (``votes``: True for the rows that exit) leave it after
+        ``layer_idx``; the first time in a pass (``rows`` None: the ``n`` rows are the batch) the
+        pass starts splitting its rows."""
+        local = self._local
+        if rows is None:
+            local.row_exits = [self.num_layers] * n
+            rows_list, gone = list(range(n)), []
+        else:
+            rows_list, gone = rows.tolist(), local.exit_rows.tolist()
+        for r, v in zip(rows_list, votes):
+            if v:
+                local.row_exits[r] = layer_idx + 1
+        stay = [r for r, v in zip(rows_list, votes) if not v]
+        gone = sorted(gone + [r for r, v in zip(rows_list, votes) if v])
+        local.backbone_rows = torch.tensor(stay, dtype=torch.long, device=device)
+        local.exit_rows = torch.tensor(gone, dtype=torch.long, device=device)
 
     def end(self, batch: int, tokens: int, cache=None) -> None:
         """Finish a forward pass: log it when a :meth:`recording` is open, and tell a
         :class:`RiverCache` who served each layer."""
         local = self._local
         if local.log is not None:
-            local.log.append((batch, tokens, local.exit_layer, time.perf_counter()))
+            local.log.append((batch, tokens, local.exit_layer, time.perf_counter(), tuple(self.row_exit_layers(batch))))
         if hasattr(cache, "record_exit_layer"):
-            cache.record_exit_layer(local.exit_layer, tokens)
+            cache.record_exit_layer(local.exit_layer, tokens, local.row_exits)
 
     def _tokens(self, n: int):
         local = self._local
@@ -298,11 +365,35 @@ class RiverLayer(_ReadsThroughToBackbone):
         strategy = local.pass_strategy
         if local.exited:
             return strategy.skipped(self, hidden_states, args, kwargs)
+        if local.backbone_rows is not None:
+            return self._split(hidden_states, args, kwargs, local)
         if strategy.masks_attention:
             kwargs = strategy.before_layer(self, hidden_states, kwargs)
         out = self.backbone(hidden_states, *args, **kwargs)
         router.after_backbone(self.river_layer_idx, hidden_states, out[0] if isinstance(out, tuple) else out)
         return out
+
+    def _split(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict, local):
+        """The layer on a batch whose rows disagree: the backbone on the rows still on it, the
+        strategy on the rows that left, each on its rows of the arguments and of the KV-cache slot
+        (:mod:`.rows`); the outputs are scattered back into one ``[batch, tokens, hidden]``. (A
+        tuple output keeps the backbone rows' other entries.)"""
+        batch = hidden_states.shape[0]
+        written: dict = {}
+        outputs = []
+        for rows, run in ((local.backbone_rows, self.backbone), (local.exit_rows, None)):
+            rows = rows.to(hidden_states.device)
+            h = hidden_states.index_select(0, rows)
+            a, kw = take_rows(args, rows, batch), rows_kwargs(kwargs, rows, batch, written)
+            out = run(h, *a, **kw) if run is not None else local.pass_strategy.skipped(self, h, a, kw)
+            outputs.append((rows, h, out))
+        (rows_b, h_b, out_b), (rows_e, _, out_e) = outputs
+        first_b = out_b[0] if isinstance(out_b, tuple) else out_b
+        first_e = out_e[0] if isinstance(out_e, tuple) else out_e
+        merged = first_b.new_empty((batch, *first_b.shape[1:]))
+        merged.index_copy_(0, rows_b, first_b).index_copy_(0, rows_e, first_e.to(first_b.dtype))
+        self.router.after_backbone(self.river_layer_idx, h_b, first_b, rows=rows_b)
+        return (merged, *out_b[1:]) if isinstance(out_b, tuple) else merged
 
 
 
@@ -322,7 +413,18 @@ class RiverHead(_ReadsThroughToBackbone):
         self.router = router
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.exit_head is not None and self.router.exited:
+        if self.exit_head is None:
+            return self.backbone(hidden_states)
+        local = self.router._local
+        if local.exited:
             return self.exit_head(hidden_states)
-        return self.backbone(hidden_states)
+        if local.exit_rows is None or hidden_states.shape[0] != len(local.row_exits):
+            return self.backbone(hidden_states)
+        # rows that left the backbone read the exit head, the others the original head
+        rows_e = local.exit_rows.to(hidden_states.device)
+        rows_b = local.backbone_rows.to(hidden_states.device)
+        out_b = self.backbone(hidden_states.index_select(0, rows_b))
+        out_e = self.exit_head(hidden_states.index_select(0, rows_e))
+        logits = out_b.new_empty((hidden_states.shape[0], *out_b.shape[1:]))
+        return logits.index_copy_(0, rows_b, out_b).index_copy_(0, rows_e, out_e.to(out_b.dtype))
 

@@ -21,7 +21,8 @@ def summarize(log: list | None, *, num_layers: int, mode: str, strategy: str, st
     """Statistics of one ``generate`` call from its pass log (:meth:`RiverRouter.recording`).
 
     Args:
-        log: the call's ``(batch, tokens, exit_layer, end_time)`` per forward pass.
+        log: the call's ``(batch, tokens, exit_layer, end_time[, row_exit_layers])`` per forward
+            pass (``row_exit_layers``: each row's exit layer; absent: every row at ``exit_layer``).
         num_layers: L, the model's decoder layers.
         mode: the router's mode in force (``route``, ``backbone``, ``exit``, ``lossless``).
         strategy: the name of the exit strategy in force (route mode).
@@ -40,9 +41,12 @@ def summarize(log: list | None, *, num_layers: int, mode: str, strategy: str, st
         forward_passes: passes after the prefill (decode steps; in lossless mode drafts + verifies).
         decode_steps: passes that could exit: every pass after the prefill, or in lossless
             mode the draft passes.
-        mean_exit_layer: mean exit layer over those passes (= backbone layers run; L: no exit).
+        decode_rows: the (row, pass) pairs of those passes (= decode_steps at batch 1); in a
+            batch each row exits at its own layer, so the next three count rows, not passes.
+        mean_exit_layer: mean exit layer over those rows of those passes (= backbone layers
+            run; L: no exit).
         exit_fraction: fraction of them that left the backbone early.
-        exit_layer_counts: list of L+1 counts; entry k = passes whose exit layer is k.
+        exit_layer_counts: list of L+1 counts; entry k = rows of passes whose exit layer is k.
         new_tokens: generated tokens (all rows).
         seconds, tokens_per_s: wall time of the call (s) and new tokens per second over it.
         prefill_seconds: from the call's start to the end of the first forward pass (TTFT, s).
@@ -51,7 +55,8 @@ def summarize(log: list | None, *, num_layers: int, mode: str, strategy: str, st
             (new tokens minus the prefill's one per row).
         weight_bytes_per_token: weight bytes the passes after the prefill read, per token
             generated after the prefill (a pass reads each weight it uses once, whatever its
-            token count).
+            token count or rows; a pass whose rows exited at different layers reads the backbone
+            to its deepest row's exit and the exit path from its shallowest's).
         bandwidth_gb_s: those bytes / decode_seconds / 1e9 (GB/s).
         lossless: (lossless calls) acceptance rate, mean accepted draft length, drafts per
             verify, tokens per verify, draft and verify seconds (:meth:`ExitPathDrafter.stats`),
@@ -63,7 +68,7 @@ def summarize(log: list | None, *, num_layers: int, mode: str, strategy: str, st
     if lossless is not None:
         exits = list(lossless.get("draft_exit_layers", []))
     else:
-        exits = [entry[2] for entry in after]
+        exits = [e for entry in after for e in _row_exits(entry)]
     counts = [0] * (L + 1)
     for e in exits:
         counts[e] += 1
@@ -75,7 +80,8 @@ def summarize(log: list | None, *, num_layers: int, mode: str, strategy: str, st
         "mode": LOSSLESS if lossless is not None else mode,
         "prefill_exit_layer": log[0][2] if log else None,
         "forward_passes": len(after),
-        "decode_steps": len(exits),
+        "decode_steps": len(exits) if lossless is not None else len(after),
+        "decode_rows": len(exits),
         "mean_exit_layer": (sum(exits) / len(exits)) if exits else None,
         "exit_fraction": (sum(e < L for e in exits) / len(exits)) if exits else None,
         "exit_layer_counts": counts,
@@ -85,7 +91,8 @@ def summarize(log: list | None, *, num_layers: int, mode: str, strategy: str, st
     # lossless drafts and exit mode run River's exit layers whatever strategy is set for route mode
     runs_exit_layers = lossless is not None or mode == EXIT_ONLY
     bytes_of = step_bytes["river" if runs_exit_layers else strategy]
-    pass_bytes = sum(bytes_of[entry[2]] for entry in after)
+    skip_bytes = step_bytes.get("skipdecode")
+    pass_bytes = sum(_pass_bytes(bytes_of, skip_bytes, _row_exits(entry)) for entry in after)
     if after and decode_tokens > 0:
         stats["weight_bytes_per_token"] = pass_bytes / decode_tokens
     if seconds is not None:
@@ -106,6 +113,25 @@ def summarize(log: list | None, *, num_layers: int, mode: str, strategy: str, st
             s = stats["lossless"]
             s["overhead_seconds"] = stats["decode_seconds"] - s["draft_seconds"] - s["verify_seconds"]
     return stats
+
+
+def _row_exits(entry: tuple) -> tuple[int, ...]:
+    """Each row's exit layer of one pass-log entry."""
+    return entry[4] if len(entry) > 4 else (entry[2],) * entry[0]
+
+
+def _pass_bytes(bytes_of: list[int], skip_bytes: list[int] | None, row_exits) -> int:
+    """Weight bytes of one pass whose rows exited at ``row_exits``: ``bytes_of[k]`` when they all
+    exited at k. Rows at lo < hi read the union: backbone layers 0..hi-1, the strategy's layers
+    from lo on, the exit head, and the original head when a row stayed (hi = L). ``skip_bytes``
+    (the ``skipdecode`` list: backbone to k, then the head alone) separates the backbone from
+    the strategy's part: union = bytes_of[lo] + skip[hi] - skip[lo] (+ skip[0], the exit head,
+    when hi = L, whose entry counts the original head instead)."""
+    lo, hi = min(row_exits), max(row_exits)
+    if lo == hi or skip_bytes is None:
+        return bytes_of[hi]
+    L = len(bytes_of) - 1
+    return bytes_of[lo] + skip_bytes[hi] - skip_bytes[lo] + (skip_bytes[0] if hi == L else 0)
 
 
 def kernel_groups(report: list[dict]) -> list[dict]:

@@ -1,8 +1,13 @@
 """After the exit: what the decoder layers a forward pass skipped do, one strategy object each.
 
 Every strategy takes the same exit decision (the router's exit rules: River-LLM's state
-transition similarity against τ, batch minimum, after each backbone layer) and reads the token
-out through the same head (the exit head when one is configured, else the original LM head).
+transition similarity against τ after each backbone layer) and reads the token out through the
+same head (the exit head when one is configured, else the original LM head). In a batch, the
+strategies with ``per_row`` (``river``, ``state-propagation``) let each row exit on its own
+tokens (the rows that exited run the strategy, the others the backbone, :mod:`.rows`); the
+others take one decision for the whole batch (its rows' minimum similarity), because per row
+their cache slots would differ in length within one tensor (``recompute``, ``skipdecode``) or
+their absence marks would be appended once per path (``kv-mask``).
 They differ only in the layers after the exit and their slot of the KV cache, which is the
 comparison River-LLM makes (River-LLM, Sec. 2 "KV absence" and Sec. 4 baselines):
 
@@ -64,12 +69,16 @@ class ExitStrategy:
         masks_attention: whether :meth:`before_layer` must run before every layer that runs
             (only ``kv-mask``; the others keep the hot path to one branch).
         needs_dynamic_cache: whether the strategy can only work on a ``DynamicCache``.
+        per_row: whether, in a batch, each row may exit at its own layer (:meth:`skipped` then
+            runs on the exited rows only, with a :class:`~river_hf.river.rows.RowsCache`);
+            otherwise the batch exits as one, when all its rows would.
     """
 
     name = ""
     runs_exit_layers = False
     masks_attention = False
     needs_dynamic_cache = True
+    per_row = False
 
     def check_cache(self, cache) -> None:
         """Raises RiverError when ``cache`` is not a dynamic cache and the strategy needs one."""
@@ -111,6 +120,7 @@ class ExitLayers(ExitStrategy):
     name = "river"
     runs_exit_layers = True
     needs_dynamic_cache = False
+    per_row = True
 
     def skipped(self, layer, hidden_states, args, kwargs):
         return layer.exit_layer(hidden_states, *args, **kwargs)
@@ -217,6 +227,7 @@ class StatePropagation(ExitStrategy):
 
     name = "state-propagation"
     needs_dynamic_cache = False
+    per_row = True  # its K/V write goes through cache.update, which a RowsCache restricts to the rows
 
     def skipped(self, layer, hidden_states, args, kwargs):
         cache = cache_of(kwargs)
