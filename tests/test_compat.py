@@ -66,13 +66,15 @@ def _private_names_of_transformers() -> set[str]:
 def _uses(path: Path, private: set[str]) -> list[tuple[str, int]]:
     """``(name, line)`` of every use of a transformers private name in ``path``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    own = {n.attr for n in ast.walk(tree)  # self._x = ...: an attribute of the module's own classes
-           if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and getattr(n.value, "id", None) == "self"}
-    # a def can override transformers' method only in a class with a base; own helpers elsewhere are not uses
-    overridable = {id(f) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.bases for f in c.body
-                   if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    own |= {f.name for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and id(f) not in overridable}
+    # the module's own attributes: what it assigns to self._x, and the methods it calls itself (self._x(...)
+    # of a def in this module); a def nobody here calls is a hook for someone else: an override
+    assigned = {n.attr for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and getattr(n.value, "id", None) == "self"}
+    called = {n.attr for n in ast.walk(tree)
+              if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and getattr(n.value, "id", None) == "self"}
+    methods = {f.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body
+               if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    own = assigned | (methods & called)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers"):
@@ -81,9 +83,9 @@ def _uses(path: Path, private: set[str]) -> list[tuple[str, int]]:
         elif isinstance(node, ast.Attribute):
             names = [] if getattr(node.value, "id", None) == "self" and node.attr in own else [node.attr]
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names = [node.name] if id(node) in overridable else []
+            names = [] if node.name in own else [node.name]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
-            names = [node.value]
+            names = [] if node.value in own else [node.value]  # self.__dict__["_x"] of the module's own _x
         else:
             continue
         found += [(n, node.lineno) for n in names
