@@ -26,7 +26,7 @@ from torch import nn
 from .controllers import ExitRuleList
 from .strategies import ExitStrategy, get_strategy
 
-__all__ = ["RiverRouter", "RiverLayer", "RiverHead", "ROUTE", "BACKBONE_ONLY", "EXIT_ONLY", "LOSSLESS", "MODES",
+__all__ = ["RiverRouter", "RiverLayer", "RiverHead", "exit_modules", "ROUTE", "BACKBONE_ONLY", "EXIT_ONLY", "LOSSLESS", "MODES",
            "PREFILL_POLICIES"]
 
 ROUTE, BACKBONE_ONLY, EXIT_ONLY, LOSSLESS = "route", "backbone", "exit", "lossless"
@@ -419,3 +419,12 @@ class RiverHead(_ReadsThroughToBackbone):
             return self.exit_head(hidden_states)
         return self.backbone(hidden_states)
 
+
+def exit_modules(model: nn.Module):
+    """Yield ``(name, module)`` for every module of ``model``'s exit copies (the exit layers and
+    the exit head, and their submodules), named as attributes reach them
+    (``model.layers.0.exit_layer.self_attn.q_proj``): what ``model.named_modules()`` leaves out."""
+    for name, module in model.named_modules():
+        exit_copy = getattr(module, module._EXIT, None) if isinstance(module, _ReadsThroughToBackbone) else None
+        if exit_copy is not None:
+            yield from exit_copy.named_modules(prefix=f"{name}.{module._EXIT}" if name else module._EXIT)
