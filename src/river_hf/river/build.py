@@ -202,7 +202,7 @@ def refresh_exit_layers(model: nn.Module) -> list[str]:
     prints = model.__dict__.get("_river_prints")
     if not prints:
         return []
-    changed = [i for i, pairs in prints["layers"].items() if any(not fp.matches(m.weight) for m, fp in pairs)]
+    changed = [i for i, pairs in prints["layers"].items() if any(not fp.matches(getattr(m, name)) for m, name, fp in pairs)]
     head = prints["head"]
     head_changed = head is not None and not head[1].matches(head[0].weight)
     if not changed and not head_changed:
@@ -216,7 +216,7 @@ def refresh_exit_layers(model: nn.Module) -> list[str]:
             layer = layers[i]
             exit_layer = build_exit_copy(layer.backbone, config, plan, report=[], prefix=f"layers.{i}.")
             layer.exit_layer = exit_layer.eval()
-            prints["layers"][i] = _linear_prints(layer.backbone)
+            prints["layers"][i] = _weight_prints(layer.backbone)
             rebuilt.append(f"layers.{i}")
         if head_changed:
             river_head = model.get_output_embeddings()
@@ -273,24 +273,26 @@ def _adapter_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _linear_prints(module: nn.Module) -> list:
-    """``(linear, fingerprint)`` of every ``nn.Linear`` in ``module``, an adapter's base layer
-    included, the adapter's own Linears (LoRA's A and B) not: they are not in the exit copy."""
+def _weight_prints(module: nn.Module) -> list:
+    """``(owner, name, fingerprint)`` of every parameter of ``module`` (Linear weights and biases,
+    norm weights, ...): what its exit copy is made of. An adapter's base layer counts, the
+    adapter's own parameters (LoRA's A and B) do not: they are not in the exit copy."""
     skip = set()
     for _, adapter in _adapter_layers(module):
         skip.update(id(sub) for sub in adapter.modules())
         skip.difference_update(id(sub) for sub in adapter.get_base_layer().modules())
-    return [(m, WeightFingerprint(m.weight)) for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in skip]
+    return [(m, name, WeightFingerprint(p)) for m in module.modules() if id(m) not in skip
+            for name, p in m.named_parameters(recurse=False)]
 
 
 def _fingerprints(model: nn.Module, layers) -> dict:
-    """:class:`~river_hf.quant.dense.WeightFingerprint` of every Linear weight the exit copies were built
-    from: ``{"layers": {i: [(linear, print), ...]}, "head": (linear, print) or None}`` (offloaded
+    """:class:`~river_hf.quant.dense.WeightFingerprint` of every weight the exit copies were built
+    from: ``{"layers": {i: [(module, name, print), ...]}, "head": (linear, print) or None}`` (offloaded
     backbones are left out: their weights are not in memory to change)."""
     prints: dict = {"layers": {}, "head": None}
     for i, layer in enumerate(layers):
         if isinstance(layer, RiverLayer) and not is_offloaded(layer.backbone):
-            prints["layers"][i] = _linear_prints(layer.backbone)
+            prints["layers"][i] = _weight_prints(layer.backbone)
     head = model.get_output_embeddings()
     if isinstance(head, RiverHead) and head.exit_head is not None:
         prints["head"] = (head.backbone, WeightFingerprint(head.backbone.weight))

@@ -271,9 +271,11 @@ class _ReadsThroughToBackbone(nn.Module):
       and nothing of the exit copy: the architecture's own keys;
     * ``load_state_dict`` takes those keys (and the wrapped ``backbone.`` ones) into the backbone,
       drops entries of the exit copy and does not count the exit copy's tensors as missing;
-    * ``named_modules()`` (and so ``modules()``, ``parameters()``, ``buffers()`` and PEFT's
-      target matching) does not enter the exit copy; ``children()`` does (``to()``, ``eval()``
-      and ``apply()`` reach it). The copy itself stays reachable as the attribute.
+    * ``named_modules()`` (and so ``named_parameters()``, ``modules()``, ``parameters()``,
+      ``buffers()`` and PEFT's target matching) gives the backbone's modules under the same
+      names and does not enter the exit copy; ``children()`` does (``to()``, ``eval()`` and
+      ``apply()`` reach it). The copy itself stays reachable as the attribute
+      (:func:`exit_modules` lists the copies' modules).
     """
 
     _EXIT = ""  # attribute holding the derived exit copy
@@ -293,7 +295,10 @@ class _ReadsThroughToBackbone(nn.Module):
             return getattr(self._modules["backbone"], name)
 
     def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
-        """As ``nn.Module.named_modules``, without the exit copy's subtree."""
+        """As ``nn.Module.named_modules``, in the architecture's names: the wrapper, then its
+        backbone under the same name and the backbone's submodules under the names they have in
+        the plain model (``layers.3.self_attn.q_proj``, which ``get_submodule`` resolves through
+        the wrapper); the exit copy's subtree is left out."""
         if memo is None:
             memo = set()
         if self in memo:
@@ -304,7 +309,8 @@ class _ReadsThroughToBackbone(nn.Module):
         for name, module in self._modules.items():
             if module is None or name == self._EXIT:
                 continue
-            yield from module.named_modules(memo, prefix + ("." if prefix else "") + name, remove_duplicate)
+            yield from module.named_modules(memo, prefix if name == "backbone" else prefix + ("." if prefix else "") + name,
+                                            remove_duplicate)
 
 
 def _hook(module: nn.Module, public: str, older: str | None):
