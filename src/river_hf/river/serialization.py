@@ -347,28 +347,6 @@ def _base_class_view(model):
             model.hf_device_map = device_map
 
 
-@contextlib.contextmanager
-def _plain_view(model):
-    """As :func:`_base_class_view`, and each RiverLayer is replaced by its backbone and the
-    RiverHead by the original head: the module tree of the base model (for
-    :func:`~river_hf.river.plain.plain_model`, which pairs modules by name)."""
-    _, layers = decoder_stack(model)
-    river_layers = list(layers)
-    river_head = model.get_output_embeddings()
-    with _base_class_view(model):
-        try:
-            for i, rl in enumerate(river_layers):
-                layers[i] = rl.backbone
-            if river_head is not None and hasattr(river_head, "exit_head"):
-                model.set_output_embeddings(river_head.backbone)
-            yield model
-        finally:
-            for i, rl in enumerate(river_layers):
-                layers[i] = rl
-            if river_head is not None and hasattr(river_head, "exit_head"):
-                model.set_output_embeddings(river_head)
-
-
 _MISSING = object()
 
 
