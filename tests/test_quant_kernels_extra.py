@@ -22,6 +22,7 @@ from river_hf.quant import BACKENDS, KERNELS, KernelTuner, autotune, get_backend
 from river_hf.quant import external
 from river_hf.quant import kernels as kernels_module
 from river_hf.quant.kernels import relative_error
+from river_hf.river import exit_modules
 
 NEW = ["ort-int4", "ort-int4-g32", "ort-int8", "torch-dyn-int8", "ark-int4", "ark-int8"]
 LIBRARY = {"ort": "onnxruntime", "ark": "auto-round-lib", "torch": "torch's fbgemm quantized engine"}
@@ -354,12 +355,12 @@ def test_prompt_kernel_is_added_where_it_measures_faster_and_serves_only_prompts
     ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = plain.generate(ids, max_new_tokens=5, do_sample=False)
-    assert not any(isinstance(m, PromptRowsLinear) for m in enable_river(tiny("qwen2"), tau=2.0, backend="int4",
-                                                                          progress=False).modules())  # off by default
+    off = enable_river(tiny("qwen2"), tau=2.0, backend="int4", progress=False)
+    assert not any(isinstance(m, PromptRowsLinear) for _, m in exit_modules(off))  # off by default
     from river_hf.river import RiverConfig
 
     model = enable_river(plain, config=RiverConfig(tau=2.0, backend="int4", prompt_kernel=True), progress=False)
-    wrapped = [m for m in model.modules() if isinstance(m, PromptRowsLinear)]
+    wrapped = [m for _, m in exit_modules(model) if isinstance(m, PromptRowsLinear)]
     assert len(wrapped) == 3 * 7  # every exit Linear of the 3 layers (all pack on onnxruntime here)
     rows = [r for r in model.river_kernel_report if r.get("prompt_kernel")]
     assert len(rows) == 21 and all(r["prompt_kernel"] == "ort-int4" and r["prompt_relative_error"] < 0.2 for r in rows)
@@ -380,12 +381,12 @@ def test_prompt_kernel_off_or_slower_adds_nothing(measured, monkeypatch):
     from river_hf.river import RiverConfig
 
     off = enable_river(tiny("qwen2"), config=RiverConfig(tau=0.9, backend="int4", prompt_kernel=False), progress=False)
-    assert not any(isinstance(m, PromptRowsLinear) for m in off.modules())
+    assert not any(isinstance(m, PromptRowsLinear) for _, m in exit_modules(off))
     us = {"ort-int4": 90.0, "torch-int4": 20.0}
     monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear, rows=1: {k.name: us.get(k.name, 50.0)
                                                                                    for k in candidates})
     slower = enable_river(tiny("qwen2"), config=RiverConfig(tau=0.9, backend="int4", prompt_kernel=True), progress=False)
-    assert not any(isinstance(m, PromptRowsLinear) for m in slower.modules())
+    assert not any(isinstance(m, PromptRowsLinear) for _, m in exit_modules(slower))
     with pytest.raises(Exception, match="prompt_kernel must be true or false"):
         RiverConfig(prompt_kernel="yes")
 
@@ -410,7 +411,7 @@ def test_prompt_kernel_choice_is_saved_and_reused_without_measuring(tmp_path, me
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loaded = RiverForCausalLM.from_pretrained(str(folder), progress=False)
-    assert sum(isinstance(m, PromptRowsLinear) for m in loaded.modules()) == 3 * 7
+    assert sum(isinstance(m, PromptRowsLinear) for _, m in exit_modules(loaded)) == 3 * 7
     ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), model.river_mode("exit"), loaded.river_mode("exit"):
         assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
@@ -432,7 +433,7 @@ def test_prompt_kernel_that_cannot_apply_warns_why(case, measured, monkeypatch):
     with pytest.warns(UserWarning, match=f"prompt_kernel=True has no effect: .*{expected}"):
         model = enable_river(tiny("qwen2"), config=RiverConfig(tau=0.9, backend=backend, prompt_kernel=True),
                              progress=False)
-    assert not any(isinstance(m, PromptRowsLinear) for m in model.modules())
+    assert not any(isinstance(m, PromptRowsLinear) for _, m in exit_modules(model))
 
 
 def test_prompt_kernel_is_a_keyword_of_enable_river(measured):
@@ -441,7 +442,7 @@ def test_prompt_kernel_is_a_keyword_of_enable_river(measured):
 
     model = enable_river(tiny("qwen2"), tau=0.9, backend="int4", prompt_kernel=True, progress=False)
     assert model.river_config.prompt_kernel is True
-    assert sum(isinstance(m, PromptRowsLinear) for m in model.modules()) == 3 * 7
+    assert sum(isinstance(m, PromptRowsLinear) for _, m in exit_modules(model)) == 3 * 7
 
 
 def test_prompt_kernel_copies_are_not_built_when_memory_is_short(measured, monkeypatch):
@@ -454,8 +455,8 @@ def test_prompt_kernel_copies_are_not_built_when_memory_is_short(measured, monke
     monkeypatch.setattr(lossless, "available_memory_bytes", lambda: 1000)
     with pytest.warns(UserWarning, match="prompt kernels' copies would need .* not built"):
         model = enable_river(tiny("qwen2"), tau=0.9, backend="int4", prompt_kernel=True, progress=False)
-    assert not any(isinstance(m, PromptRowsLinear) for m in model.modules())
+    assert not any(isinstance(m, PromptRowsLinear) for _, m in exit_modules(model))
     assert model.river_config.prompt_kernel is True
     monkeypatch.setattr(lossless, "available_memory_bytes", lambda: 1 << 40)
     fits = enable_river(tiny("qwen2"), tau=0.9, backend="int4", prompt_kernel=True, progress=False)
-    assert sum(isinstance(m, PromptRowsLinear) for m in fits.modules()) == 3 * 7
+    assert sum(isinstance(m, PromptRowsLinear) for _, m in exit_modules(fits)) == 3 * 7

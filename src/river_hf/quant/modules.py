@@ -278,9 +278,12 @@ _FAST_INT4_TYPES = ("TinyGemmWeightQBitsTensor", "MarlinInt4WeightQBitsTensor")
 
 def fast_kernel_fraction(model: nn.Module) -> float | None:
     """Fraction of the exit layers' quantized Linears that run on a packed kernel (not quanto's
-    dequantizing int4 fallback). None when the model has no quantized exit Linears (``copy``)."""
-    kinds = [kernel_name(m) for name, m in model.named_modules()
-             if ".exit_layer." in f".{name}." and not name.endswith(".inner") and kernel_name(m) != "dense"]
+    dequantizing int4 fallback). None when the model has no quantized exit Linears (``copy``).
+    The exit layers are the ``exit_layer`` of each River layer (``named_modules`` of a River model
+    does not enter them)."""
+    exits = [m.exit_layer for m in model.modules() if isinstance(getattr(m, "exit_layer", None), nn.Module)]
+    kinds = [kernel_name(m) for e in exits for name, m in e.named_modules()
+             if name and not name.endswith(".inner") and kernel_name(m) != "dense"]
     if not kinds:
         return None
     return sum("slow" not in k for k in kinds) / len(kinds)

@@ -130,6 +130,7 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
     if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
         offload_backbone(layers, config.offload_from, config.offload_dir)
     hooks = _register_router_hooks(stack, router) + _register_verify_hooks(model, router)
+    hooks.append(model.register_load_state_dict_post_hook(_refresh_after_load))
     return {"river": router, "river_config": config, "river_build_seconds": build_seconds,
             "river_kernel_report": report,
             "_river_step_bytes": _step_bytes(layers, backbone_bytes, exit_bytes, head_bytes, exit_head_bytes),
@@ -202,7 +203,7 @@ def refresh_exit_layers(model: nn.Module) -> list[str]:
     prints = model.__dict__.get("_river_prints")
     if not prints:
         return []
-    changed = [i for i, pairs in prints["layers"].items() if any(not fp.matches(m.weight) for m, fp in pairs)]
+    changed = [i for i, pairs in prints["layers"].items() if any(not fp.matches(getattr(m, name)) for m, name, fp in pairs)]
     head = prints["head"]
     head_changed = head is not None and not head[1].matches(head[0].weight)
     if not changed and not head_changed:
@@ -216,7 +217,7 @@ def refresh_exit_layers(model: nn.Module) -> list[str]:
             layer = layers[i]
             exit_layer = build_exit_copy(layer.backbone, config, plan, report=[], prefix=f"layers.{i}.")
             layer.exit_layer = exit_layer.eval()
-            prints["layers"][i] = _linear_prints(layer.backbone)
+            prints["layers"][i] = _weight_prints(layer.backbone)
             rebuilt.append(f"layers.{i}")
         if head_changed:
             river_head = model.get_output_embeddings()
@@ -226,6 +227,12 @@ def refresh_exit_layers(model: nn.Module) -> list[str]:
     return rebuilt
 
 
+def _refresh_after_load(model: nn.Module, incompatible_keys) -> None:
+    """Load-state-dict post-hook of a River model: the exit copies follow the weights just loaded
+    (``generate`` would rebuild them too; this also covers a plain ``forward``)."""
+    refresh_exit_layers(model)
+
+
 def build_exit_copy(backbone: nn.Module, config: RiverConfig, tuner, *, report: list | None = None,
                     prefix: str = "") -> nn.Module:
     """The exit copy of decoder layer ``backbone`` under ``config``: its Linears on the kernels of
@@ -233,17 +240,25 @@ def build_exit_copy(backbone: nn.Module, config: RiverConfig, tuner, *, report: 
     a tuner or None), with q/k/v and gate/up stacked into one product each first when
     ``config.fuse_projections`` (:func:`river_hf.quant.fused.fuse_projections`; the stacked
     Linears are then measured and quantized as Linears of their own shape), and a prompt kernel
-    per Linear where one measures faster when ``config.prompt_kernel``. ``backbone`` is not
-    modified; ``report`` gets one row per built Linear."""
+    per Linear where one measures faster when ``config.prompt_kernel``. An adapter layer of PEFT
+    (a LoRA ``Linear`` around the original one) is copied as its base layer: the exit copy is
+    made from the base weights, never holds an adapter. ``backbone`` is not modified; ``report``
+    gets one row per built Linear."""
     choice = get_backend(config.backend)
-    if not config.fuse_projections or not fused_groups(backbone):
+    fuse = config.fuse_projections and fused_groups(backbone)
+    if not fuse and not _adapter_layers(backbone):
         return _own_forwards(choice.build_layer(backbone, tuner, report=report, prefix=prefix,
                                                 prompt=config.prompt_kernel))
     # a copy of the layer's structure that shares its tensors (build_layer copies it for real), in
-    # which the siblings are replaced by one stacked Linear each: no second copy of the weights
+    # which adapters give way to their base layers and the siblings are replaced by one stacked
+    # Linear each: no second copy of the weights
     memo = {id(t): t for t in (*backbone.parameters(), *backbone.buffers())}
     shell = copy.deepcopy(backbone, memo)
-    fuse_projections(shell)
+    for name, adapter in _adapter_layers(shell):
+        parent, _, child = name.rpartition(".")
+        setattr(shell.get_submodule(parent) if parent else shell, child, adapter.get_base_layer())
+    if config.fuse_projections and fused_groups(shell):
+        fuse_projections(shell)
     return _own_forwards(choice.build_layer(shell, tuner, report=report, prefix=prefix, prompt=config.prompt_kernel))
 
 
@@ -255,19 +270,39 @@ def _own_forwards(exit_copy: nn.Module) -> nn.Module:
     return exit_copy
 
 
-def _linear_prints(module: nn.Module) -> list:
-    """``(linear, fingerprint)`` of every ``nn.Linear`` in ``module``."""
-    return [(m, WeightFingerprint(m.weight)) for m in module.modules() if isinstance(m, nn.Linear)]
+def _adapter_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, layer)`` of the outermost adapter layers in ``module``: PEFT's tuner layers, told by
+    their ``get_base_layer()`` method and ``base_layer`` submodule (peft is not imported)."""
+    found, inside = [], set()
+    for name, m in module.named_modules():
+        if id(m) in inside:
+            continue
+        if callable(getattr(m, "get_base_layer", None)) and "base_layer" in m._modules:
+            found.append((name, m))
+            inside.update(id(sub) for sub in m.modules())
+    return found
+
+
+def _weight_prints(module: nn.Module) -> list:
+    """``(owner, name, fingerprint)`` of every parameter of ``module`` (Linear weights and biases,
+    norm weights, ...): what its exit copy is made of. An adapter's base layer counts, the
+    adapter's own parameters (LoRA's A and B) do not: they are not in the exit copy."""
+    skip = set()
+    for _, adapter in _adapter_layers(module):
+        skip.update(id(sub) for sub in adapter.modules())
+        skip.difference_update(id(sub) for sub in adapter.get_base_layer().modules())
+    return [(m, name, WeightFingerprint(p)) for m in module.modules() if id(m) not in skip
+            for name, p in m.named_parameters(recurse=False)]
 
 
 def _fingerprints(model: nn.Module, layers) -> dict:
-    """:class:`~river_hf.quant.dense.WeightFingerprint` of every Linear weight the exit copies were built
-    from: ``{"layers": {i: [(linear, print), ...]}, "head": (linear, print) or None}`` (offloaded
+    """:class:`~river_hf.quant.dense.WeightFingerprint` of every weight the exit copies were built
+    from: ``{"layers": {i: [(module, name, print), ...]}, "head": (linear, print) or None}`` (offloaded
     backbones are left out: their weights are not in memory to change)."""
     prints: dict = {"layers": {}, "head": None}
     for i, layer in enumerate(layers):
         if isinstance(layer, RiverLayer) and not is_offloaded(layer.backbone):
-            prints["layers"][i] = _linear_prints(layer.backbone)
+            prints["layers"][i] = _weight_prints(layer.backbone)
     head = model.get_output_embeddings()
     if isinstance(head, RiverHead) and head.exit_head is not None:
         prints["head"] = (head.backbone, WeightFingerprint(head.backbone.weight))

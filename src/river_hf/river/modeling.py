@@ -82,6 +82,9 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
     ``river_strategy``, ``river_tau_override``) come from
     :class:`~river_hf.river.settings.RiverSettingsMixin`.
 
+    ``state_dict``, ``named_parameters``, ``named_modules``: the architecture's names, without the
+    exit copies (derived state, rebuilt when weights change; ``river.exit_modules``, docs/checkpoints.md).
+
     What River does not support: ``torch.compile`` of the forward (River's exit decision is
     data-dependent Python control flow between layers): compiling raises :class:`RiverError` at
     the first call, and ``generate`` never auto-compiles a River model (a ``compile_config``

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from ..errors import RiverError
 from .modeling import RiverForCausalLM
-from .serialization import _plain_view
+from .serialization import _base_class_view
 
 __all__ = ["plain_model"]
 
@@ -44,7 +44,7 @@ def plain_model(model):
     if getattr(model.river_config, "offload_from", None) is not None or model.__dict__.get("hf_device_map"):
         raise RiverError("plain_model cannot share offloaded backbone weights; load the model without offload_from "
                          "(or load the plain model with AutoModelForCausalLM.from_pretrained)")
-    with _plain_view(model):
+    with _base_class_view(model):  # state_dict and named_modules speak the plain names already
         state = model.state_dict(keep_vars=True)
         source = dict(model.named_modules())
         config = copy.deepcopy(model.config)
@@ -65,3 +65,4 @@ def plain_model(model):
                          "load the plain model with AutoModelForCausalLM.from_pretrained instead")
     plain.generation_config = copy.deepcopy(model.generation_config)
     return plain.eval()
+

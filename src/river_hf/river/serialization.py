@@ -328,29 +328,21 @@ def _weights_note(model) -> list[str]:
 
 
 @contextlib.contextmanager
-def _plain_view(model):
-    """Within the block ``model`` looks like the base model: its class is the architecture's own,
-    each RiverLayer is replaced by its backbone, and offloaded backbones hold their weights."""
+def _base_class_view(model):
+    """Within the block ``model`` has the architecture's own class (what ``save_pretrained`` names
+    in ``architectures``) and its offloaded backbones hold their weights. Its state dict is the
+    architecture's already (the River wrappers' state-dict hooks, :mod:`.layer`)."""
     _, layers = decoder_stack(model)
-    river_layers = list(layers)
-    river_head = model.get_output_embeddings()
     river_cls = type(model)
     device_map = model.__dict__.pop("hf_device_map", None)
     try:
         with contextlib.ExitStack() as stack:
-            for i, rl in enumerate(river_layers):
+            for rl in list(layers):
                 stack.enter_context(materialized(rl.backbone))
-                layers[i] = rl.backbone
-            if river_head is not None and hasattr(river_head, "exit_head"):
-                model.set_output_embeddings(river_head.backbone)
             model.__class__ = base_class(river_cls)
             yield model
     finally:
         model.__class__ = river_cls
-        for i, rl in enumerate(river_layers):
-            layers[i] = rl
-        if river_head is not None and hasattr(river_head, "exit_head"):
-            model.set_output_embeddings(river_head)
         if device_map is not None:
             model.hf_device_map = device_map
 
@@ -409,7 +401,7 @@ def save_river(model, save_directory, *, card: str | None = None, tokenizer=None
         source = _source(model)
         extra = {SOURCE_KEY: source if any(source.values()) else _MISSING,
                  "_model_name_or_path": _MISSING}  # a GGUF's label ("... AWQ"), not where these weights are
-        with _plain_view(model), _config_attributes(model.config, river=settings, auto_map=auto_map, **extra):
+        with _base_class_view(model), _config_attributes(model.config, river=settings, auto_map=auto_map, **extra):
             base.save_pretrained(model, tmp, **save_kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
