@@ -37,6 +37,7 @@ NOT_TRANSFORMERS = {
     "_modules": "torch.nn.Module's submodule dict (torch, not transformers)",
     "_version": "torch.Tensor's version counter (torch, not transformers)",
     "_old_forward": "accelerate's hook attribute (accelerate, not transformers)",
+    "_metadata": "a torch state dict's module-version metadata (torch.nn.Module.state_dict, not transformers)",
     "_init_weights": "diffusion/modeling.py's test models: the weight-init hook transformers documents for custom "
                      "models (the 'custom models' guide), part of writing a PreTrainedModel",
 }
