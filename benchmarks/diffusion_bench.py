@@ -52,7 +52,7 @@ import torch
 
 from river_hf.diffusion.cli import SMALL_BATCH_LINEAR
 from river_hf.eval.common import atomic_write
-from river_hf.timing import Measurement, compare, memory_bandwidth_gb_s
+from river_hf.timing import Measurement, compare, memory_bandwidth_gb_s, spread
 
 DEFAULT_SETTINGS = "50,7,0.25;100,8,0.1;25,5,0.25"
 
@@ -75,10 +75,6 @@ def setting_name(s: tuple | None, kernel: str = "auto") -> str:
     if s is None:
         return "uncached"
     return f"Kp={s[0]},Kr={s[1]},rho={s[2]}" + ("" if s[3] == kernel else f",small-batch {s[3]}")
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def verdict(lo: float, hi: float, threshold: float) -> str:
@@ -119,19 +115,19 @@ def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args, 
     ref = outs["uncached"]
     cached = [r for name, r in runs.items() if name != "uncached"]
     rounds_done = min(len(r) for r in cached) if cached else len(runs["uncached"])
-    base = spread([r["seconds"] for r in runs["uncached"]])
+    base = spread([r["seconds"] for r in runs["uncached"]], runs=False)
     rows = []
     for name, rounds in runs.items():
         if name != "uncached":
             rounds = rounds[:rounds_done]
         wall = [r["seconds"] for r in rounds]
         cpu = [r["cpu_seconds"] for r in rounds]
-        w = spread(wall)
+        w = spread(wall, runs=False)
         done = p + generated_tokens(args, rounds[0]["steps"])
         agreement = (outs[name][:, p:done] == ref[:, p:done]).float().mean().item()
         if comparison is not None:
             ratios = list(comparison.row(name)["speedup"]["runs"])
-            sp = spread(ratios)
+            sp = spread(ratios, runs=False)
             speedup, lo, hi = sp["median"], sp["min"], sp["max"]
         else:
             ratios = None
@@ -147,7 +143,7 @@ def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args, 
             "seconds_runs": wall,
             "seconds": w,
             "cpu_seconds_runs": cpu,
-            "cpu_seconds": spread(cpu),
+            "cpu_seconds": spread(cpu, runs=False),
             "steps": rounds[0]["steps"],
             "tokens_per_s": (done - p) / w["median"],
             "steps_per_s": rounds[0]["steps"] / w["median"],

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -120,16 +119,15 @@ def main(argv=None) -> int:
                                               do_sample=False, min_new_tokens=args.check_tokens)[0, ids.shape[1]:].tolist()
                          for name, ids in prompts.items()}
 
-    def spread(xs):
-        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    from river_hf.timing import spread
 
     rows = []
     for name, ids in prompts.items():
         s = seconds[name]
         ratios = [a / b for a, b in zip(s["one-row kernel"], s["prompt kernel"])]
         rows.append({"prompt": name, "prompt_tokens": int(ids.shape[1]),
-                     "seconds": {c: spread(s[c]) for c in configs}, "runs": s,
-                     "one_row_over_prompt_kernel": spread(ratios),
+                     "seconds": {c: spread(s[c], runs=False) for c in configs}, "runs": s,
+                     "one_row_over_prompt_kernel": spread(ratios, runs=False),
                      "same_tokens": tokens["prompt kernel"][name] == tokens["one-row kernel"][name]})
     all_ratios = [a / b for row in rows for a, b in zip(row["runs"]["one-row kernel"], row["runs"]["prompt kernel"])]
     report = {
@@ -141,7 +139,7 @@ def main(argv=None) -> int:
         "linears_with_prompt_kernel": len(wrapped),
         "prompt_kernel_weight_bytes": sum(linear_weight_bytes(m.prompt) for m in wrapped),
         "decode_weight_bytes_of_those_linears": sum(linear_weight_bytes(m.decode) for m in wrapped),
-        "rows": rows, "ratio_all_rounds": spread(all_ratios),
+        "rows": rows, "ratio_all_rounds": spread(all_ratios, runs=False),
         "load_avg_1m_after": load_average(),
     }
     write_json(args.out, report)

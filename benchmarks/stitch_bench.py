@@ -50,6 +50,7 @@ import sys
 import time
 
 from river_hf.eval.common import atomic_write
+from river_hf.timing import spread
 
 STOP_STRINGS = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```", "\nassert "]
 
@@ -97,10 +98,6 @@ def time_rounds(run, labels: list[str], repeats: int) -> dict[str, list]:
     return out
 
 
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def _verdict(spread: dict) -> str:
     return "faster" if spread["min"] > 1.0 else "slower" if spread["max"] < 1.0 else "not resolved"
 
@@ -137,7 +134,7 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
         if "llm" in methods:
             per_round = [sum(runs(r["methods"]["llm"])[i] for r in done) / sum(runs(x)[i] for x in rows)
                          for i in range(rounds)]
-        sp = _spread(per_round) if per_round else None
+        sp = spread(per_round, runs=False) if per_round else None
         out[m] = {
             "problems": len(rows),
             "rounds": rounds,

@@ -254,3 +254,14 @@ def test_markdown_rows_and_bar_figure_share_one_layout_for_the_benchmarks(tmp_pa
     assert [round(p.get_height(), 6) for p in fig.axes[0].patches] == [10.0, 20.0]
     save_figure(fig, tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_spread_is_the_one_median_min_max_form():
+    """river_hf.timing.spread: compare's rows and the benchmarks with their own loops share it
+    (``runs=False``: without the values, as those benchmarks' JSON has always been)."""
+    from river_hf.timing import spread
+
+    assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "runs": [3.0, 1.0, 2.0]}
+    assert spread([4.0, 1.0], runs=False) == {"median": 2.5, "min": 1.0, "max": 4.0}
+    with pytest.raises(ValueError):
+        spread([])

@@ -20,6 +20,10 @@ Rules (the project's benchmark standard):
   sustained-bandwidth benchmark, not a hard limit: a decode step can come near it or pass it;
 * every table names its reference (``reference_kind``: e.g. the plain transformers model, or a
   River model in backbone mode).
+
+The STREAM figures are measured by :mod:`river_hf.bandwidth`, and the Markdown rows and bar figures
+of a comparison are drawn by :mod:`river_hf.timing_report`; both are re-exported here, so every
+name above is imported from ``river_hf.timing``.
 """
 
 from __future__ import annotations
@@ -31,66 +35,11 @@ from typing import Callable
 
 from transformers.generation.streamers import BaseStreamer
 
+from .bandwidth import memory_bandwidth_gb_s, stream_bandwidth, stream_line
+from .timing_report import bandwidth_cell, bar_figure, markdown_rows
+
 __all__ = ["TokenTimer", "Measurement", "stream_bandwidth", "memory_bandwidth_gb_s", "compare", "Comparison",
-           "measure_generate", "markdown_rows", "bandwidth_cell", "bar_figure"]
-
-
-def stream_bandwidth(nbytes: int | None = None, repeats: int = 5, threads: int | None = None) -> dict:
-    """STREAM-like copy and triad bandwidth of this machine (GB/s, 1e9 bytes/s), torch ops.
-
-    Three float32 arrays ``a``, ``b``, ``c`` of ``nbytes`` each (default: twice the last-level cache,
-    at least 128 MiB and at most 1 GiB, so the three together are 6x the cache and every pass streams
-    from memory; on a GPU 1 GiB); copy is ``c[:] = a`` (2 arrays moved per
-    element), triad is ``a[:] = b + s * c`` (3 arrays), counted as STREAM counts them (no
-    write-allocate traffic). Each figure is the best of ``repeats`` timed passes after one untimed
-    pass (STREAM's rule). It runs at ``threads`` (default: torch's current thread count, i.e. the
-    run's), and on the GPU when one is available. A sustained-bandwidth benchmark, not a limit.
-
-    Returns:
-        ``{"copy_gb_s", "triad_gb_s", "threads", "array_bytes", "device"}``.
-    """
-    import torch
-
-    from .quant import last_level_cache_bytes
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    nbytes = nbytes or (1 << 30 if device == "cuda" else min(max(128 << 20, 2 * last_level_cache_bytes()), 1 << 30))
-    old_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        n = max(nbytes // 4, 1)
-        a = torch.full((n,), 1.0, dtype=torch.float32, device=device)
-        b = torch.full((n,), 2.0, dtype=torch.float32, device=device)
-        c = torch.zeros(n, dtype=torch.float32, device=device)
-
-        def best(op) -> float:
-            op()
-            times = []
-            for _ in range(repeats):
-                if device == "cuda":  # pragma: no cover - needs a GPU
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                op()
-                if device == "cuda":  # pragma: no cover - needs a GPU
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            return min(times)
-
-        copy_s = best(lambda: c.copy_(a))
-        triad_s = best(lambda: torch.add(b, c, alpha=3.0, out=a))
-        used = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(old_threads)
-    return {"copy_gb_s": 2 * n * 4 / copy_s / 1e9, "triad_gb_s": 3 * n * 4 / triad_s / 1e9, "threads": used,
-            "array_bytes": n * 4, "device": device}
-
-
-def memory_bandwidth_gb_s(nbytes: int | None = None, repeats: int = 5) -> float:
-    """The STREAM triad figure of :func:`stream_bandwidth` (GB/s). Kept under its old name for
-    callers that still use it; it used to be a 2-thread read-reduce (``sum()``), which
-    underestimated what a decode step can reach. Print it as "STREAM triad GB/s"."""
-    return stream_bandwidth(nbytes, repeats)["triad_gb_s"]
+           "measure_generate", "markdown_rows", "bandwidth_cell", "bar_figure", "spread", "stream_line"]
 
 
 class TokenTimer(BaseStreamer):
@@ -234,8 +183,18 @@ def _returned_tokens(out, inputs: dict) -> int | None:
     return int(seq.shape[1]) if inputs.get("inputs_embeds") is not None else None
 
 
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
+def spread(values: list[float], *, runs: bool = True) -> dict:
+    """The form every timed figure takes: ``{"median", "min", "max"}`` of ``values`` and, with
+    ``runs``, ``"runs"`` (the values themselves, in order). :func:`compare` gives each row's figures
+    this way; the benchmarks that time with their own loop use it too.
+
+    Raises:
+        ValueError: ``values`` is empty (``statistics.StatisticsError``).
+    """
+    out = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    if runs:
+        out["runs"] = list(values)
+    return out
 
 
 @dataclasses.dataclass
@@ -288,13 +247,6 @@ class Comparison:
         if triad:
             lines.append(stream_line(triad, self.stream_copy_gb_s, self.stream_threads))
         return "\n".join(lines)
-
-
-def stream_line(triad: float, copy: float | None = None, threads: int | None = None) -> str:
-    """The printed line that names the bandwidth figure shares are taken of."""
-    return (f"STREAM triad GB/s of this machine: {triad:.1f}" + (f" (copy {copy:.1f})" if copy else "")
-            + (f", {threads} threads" if threads else "")
-            + "; a sustained-bandwidth benchmark, not a hard limit")
 
 
 def _schedule(labels: list[str], reference: str, round_: int, interleave: bool) -> list[tuple[str, int]]:
@@ -405,15 +357,15 @@ def compare(
         else:
             refs = paired[label]
             ratios = [m.decode_tokens_per_s / b.decode_tokens_per_s for m, b in zip(ms, refs)]
-        sp = _spread(ratios)
+        sp = spread(ratios)
         verdict = "faster" if sp["min"] > 1.0 else "slower" if sp["max"] < 1.0 else "not resolved"
         bws = [m.bandwidth_gb_s for m in ms if m.bandwidth_gb_s is not None]
         bytes_ = [m.weight_bytes_per_step for m in ms if m.weight_bytes_per_step is not None]
         rows.append({
             "label": label,
-            "decode_tokens_per_s": _spread([m.decode_tokens_per_s for m in ms]),
-            "tokens_per_s": _spread([m.tokens_per_s for m in ms]),
-            "ttft_s": _spread([m.ttft_s for m in ms]),
+            "decode_tokens_per_s": spread([m.decode_tokens_per_s for m in ms]),
+            "tokens_per_s": spread([m.tokens_per_s for m in ms]),
+            "ttft_s": spread([m.ttft_s for m in ms]),
             "speedup": sp,
             "reference_runs": [b.decode_tokens_per_s for b in refs],
             "verdict": "reference" if label == reference else verdict,
@@ -439,75 +391,3 @@ def _sum(ms: list[Measurement]) -> Measurement:
         ttft_s=sum(m.ttft_s for m in ms) / len(ms), decode_tokens=sum(m.decode_tokens for m in ms),
         decode_s=sum(m.decode_s for m in ms), decode_steps=steps, weight_bytes_per_step=bytes_,
     )
-
-
-def markdown_rows(comparison: dict, extra: dict[str, Callable[[dict], str]] | None = None) -> list[str]:
-    """A :meth:`Comparison.to_dict` as Markdown table lines (header, rule, one line per configuration).
-
-    Columns: method, end-to-end tokens/s and its ratio to the reference's median, decode tokens/s
-    (median, min-max), the per-pair decode speedup (median, min-max) and its verdict, then one column per
-    ``extra`` entry (header -> ``cell(row) -> str``, in order; ``row`` is the configuration's row dict).
-    Used by the benchmark scripts, so their tables share one layout.
-
-    Raises:
-        KeyError: ``comparison`` has no row for its reference label.
-    """
-    extra = extra or {}
-    ref = next(r for r in comparison["rows"] if r["label"] == comparison["reference"])
-    head = ["method", "end-to-end tok/s", "× plain e2e", "decode tok/s (min-max)", "× plain decode (min-max)",
-            "verdict", *extra]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in comparison["rows"]:
-        e2e, d, sp = r["tokens_per_s"], r["decode_tokens_per_s"], r["speedup"]
-        ratio = ("reference" if r["label"] == comparison["reference"]
-                 else f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})")
-        cells = [r["label"], f"{e2e['median']:.2f}", f"{e2e['median'] / ref['tokens_per_s']['median']:.2f}",
-                 f"{d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f})", ratio, r["verdict"],
-                 *(cell(r) for cell in extra.values())]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def bandwidth_cell(row: dict, triad: float | None) -> str:
-    """``"12.0 (39 %)"``: a row's achieved GB/s and its share of the STREAM triad ("" when unknown)."""
-    bw = row["bandwidth_gb_s"]
-    return "" if bw is None else f"{bw:.1f}" + (f" ({100 * bw / triad:.0f} %)" if triad else "")
-
-
-def bar_figure(rows: list[dict], title: str, *, metric: str = "speedup", ylabel: str | None = None,
-               color: Callable[[str], str] | None = None, tick: Callable[[str], str] | None = None,
-               figsize: tuple[float, float] = (8, 3.8), unit_line: bool | None = None):
-    """A matplotlib bar chart of one metric per configuration, median with min-max error bars.
-
-    Args:
-        rows: :meth:`Comparison.to_dict` rows.
-        title: the figure title.
-        metric: ``"speedup"`` (decode speedup over the reference, per pair) or any row key holding a
-            ``{"median", "min", "max"}`` dict (e.g. ``"decode_tokens_per_s"``).
-        ylabel: the y label (default: the decode speedup's).
-        color: label -> matplotlib colour (default: grey for the reference kinds, blue otherwise).
-        tick: label -> tick text (default: the label).
-        unit_line: draw y = 1 (default: when ``metric`` is ``"speedup"``).
-
-    Returns:
-        the ``matplotlib.figure.Figure`` (save it with :func:`river_hf.files.save_figure`).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["label"] for r in rows]
-    med = [r[metric]["median"] for r in rows]
-    lo = [m - r[metric]["min"] for m, r in zip(med, rows)]
-    hi = [r[metric]["max"] - m for m, r in zip(med, rows)]
-    color = color or (lambda n: "#888" if n.startswith("unmodified") else "#1f77b4")
-    fig, ax = plt.subplots(figsize=figsize)
-    ax.bar(names, med, yerr=[lo, hi], capsize=4, color=[color(n) for n in names])
-    ax.set_xticks(range(len(names)), [tick(n) if tick else n for n in names], fontsize=8, rotation=0 if tick else 20)
-    if unit_line if unit_line is not None else metric == "speedup":
-        ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_ylabel(ylabel or "decode speedup vs plain fp32\n(median, min-max over rounds)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return fig

@@ -21,6 +21,8 @@ inside (int8 dot products on quantized activations) is the library's.
   kernels): 4-bit asymmetric weights per group of 128/64/32, or 8-bit symmetric per output
   channel, int8 compute.
 
+Each module is a :class:`~river_hf.quant.registry.KernelModule` (``river_kernel``: the registry name it
+was built as; ``weight_nbytes()``: the bytes one call reads, weights in the library's own layout).
 Each library is imported only when one of its modules is built (or its availability asked:
 :func:`ort_works`, :func:`ark_works`, :func:`dynamic_int8_works`), never at import of this module.
 
@@ -54,6 +56,7 @@ from torch import nn
 
 from ..errors import RiverError
 from .modules import CastMemo
+from .registry import KernelModule
 
 __all__ = ["OrtMatMulNBitsLinear", "DynamicInt8Linear", "ArkWoqLinear", "matmul_nbits_model", "ort_works",
            "ark_works", "dynamic_int8_works", "block_size_for", "ORT_SPINNING_ENV"]
@@ -194,7 +197,7 @@ def _ort_session(model: bytes):
     return ort.InferenceSession(model, sess_options=so, providers=["CPUExecutionProvider"])
 
 
-class OrtMatMulNBitsLinear(nn.Module):
+class OrtMatMulNBitsLinear(KernelModule):
     """``y = x @ Wq.T + b`` on onnxruntime's ``MatMulNBits`` (module docstring).
 
     Grids: 4-bit: :func:`_asymmetric_int4` per block (``(q - zp) * s``, integer zero points);
@@ -326,7 +329,7 @@ def _has_vnni() -> bool:
     return bool(probe()) if probe is not None else False
 
 
-class DynamicInt8Linear(nn.Module):
+class DynamicInt8Linear(KernelModule):
     """``y = x @ Wq.T + b`` on torch's ``quantized::linear_dynamic`` (fbgemm), fp32 activations.
 
     Weights per output channel, symmetric int8 (``s = max|W_row| / 127``, the grid of
@@ -383,7 +386,7 @@ def _ark():
     return importlib.import_module("auto_round_kernel")
 
 
-class ArkWoqLinear(nn.Module):
+class ArkWoqLinear(KernelModule):
     """``y = x @ Wq.T + b`` on ARK's ``woqgemm`` (auto-round-lib ``auto_round_kernel``), fp32
     activations, int8 compute.
 

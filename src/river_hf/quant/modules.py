@@ -1,10 +1,13 @@
 """The modules a weight-only kernel builds, and what is measured on them.
 
 ``Int8WeightOnlyLinear`` / ``Int4WeightOnlyLinear`` (torch's weight-only int8 / int4 ops),
-``CastLinear`` (a quanto Linear run in bf16 inside an fp32 model) and ``CastMemo`` (one input cast
-shared by the Linears of an exit layer); ``kernel_name``, ``linear_weight_bytes``,
-``relative_error`` and ``fast_kernel_fraction`` read built copies. Which kernel builds which
-module is :mod:`.kernels` (which re-exports these names).
+``CastLinear`` (a quanto Linear run in bf16 inside an fp32 model), ``PromptRowsLinear`` (one exit
+Linear on a decode and a prompt kernel) and ``CastMemo`` (one input cast shared by the Linears of
+an exit layer). Each module is a :class:`~river_hf.quant.registry.KernelModule`: it names the
+kernel it runs on (``river_kernel``) and counts the weight bytes one call reads
+(``weight_nbytes()``), which is all :func:`kernel_name` and :func:`linear_weight_bytes` (defined in
+:mod:`.registry`, re-exported here) ask. ``relative_error`` and ``fast_kernel_fraction`` read built
+copies. Which kernel builds which module is :mod:`.kernels` (which re-exports these names).
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import torch
 from torch import nn
 
 from ..errors import RiverError
+from .registry import KernelModule, kernel_name, linear_weight_bytes
 
 __all__ = ["CastMemo", "CastLinear", "Int8WeightOnlyLinear", "Int4WeightOnlyLinear", "PromptRowsLinear", "relative_error",
-           "kernel_name", "linear_weight_bytes", "fast_kernel_fraction"]
+           "kernel_name", "linear_weight_bytes", "fast_kernel_fraction", "KernelModule"]
 
 
 class CastMemo:
@@ -47,8 +51,9 @@ class CastMemo:
         return y
 
 
-class CastLinear(nn.Module):
+class CastLinear(KernelModule):
     """Runs ``inner`` in ``compute_dtype`` and returns the caller's dtype (W8A16/W4A16 on an fp32 model).
+    Named by ``inner``'s kernel, and its weight bytes are ``inner``'s.
 
     Args:
         inner: the quantized Linear (expects ``compute_dtype`` input).
@@ -68,8 +73,15 @@ class CastLinear(nn.Module):
         xc = self.memo.cast(x, self.compute_dtype) if self.memo is not None else x.to(self.compute_dtype)
         return self.inner(xc).to(x.dtype)
 
+    @property
+    def river_kernel(self) -> str:
+        return kernel_name(self.inner)
 
-class Int8WeightOnlyLinear(nn.Module):
+    def weight_nbytes(self) -> int:
+        return linear_weight_bytes(self.inner)
+
+
+class Int8WeightOnlyLinear(KernelModule):
     """``y = x @ (q * s).T + b`` with per-output-channel symmetric int8 weights, on
     ``torch._weight_int8pack_mm``.
 
@@ -77,6 +89,8 @@ class Int8WeightOnlyLinear(nn.Module):
     ``[out]`` in ``compute_dtype`` (s = max|W_row| / 127), ``bias`` ``[out]`` in the model dtype or None.
     ``forward(x)``: ``x [..., in]`` (any float dtype) -> ``[..., out]`` in x's dtype.
     """
+
+    river_kernel = "torch-int8"
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -120,7 +134,7 @@ def _int4_group_size(in_features: int, largest: int = 128) -> int | None:
     return None
 
 
-class Int4WeightOnlyLinear(nn.Module):
+class Int4WeightOnlyLinear(KernelModule):
     """``y = x @ W4.T + b`` with asymmetric 4-bit weights per group of ``group_size`` input
     channels, on torch's tinygemm int4 kernel (``torch._weight_int4pack_mm_for_cpu`` on CPU).
 
@@ -162,6 +176,11 @@ class Int4WeightOnlyLinear(nn.Module):
         """The packed layout needs ``in_features % 32 == 0`` and ``out_features % 16 == 0``."""
         return _int4_group_size(linear.in_features) is not None and linear.out_features % 16 == 0
 
+    @property
+    def river_kernel(self) -> str:
+        """``torch-int4-g32`` when the groups are 32 input channels, else ``torch-int4``."""
+        return "torch-int4-g32" if self.group_size == 32 else "torch-int4"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xc = x if x.dtype == self.compute_dtype else (
             self.memo.cast(x, self.compute_dtype) if self.memo is not None else x.to(self.compute_dtype))
@@ -173,7 +192,7 @@ class Int4WeightOnlyLinear(nn.Module):
         return _to_dtype_plus_bias(y.reshape(*x.shape[:-1], self.out_features), x.dtype, self.bias)
 
 
-class PromptRowsLinear(nn.Module):
+class PromptRowsLinear(KernelModule):
     """One exit Linear on two kernels: ``decode`` for calls of fewer than ``min_rows`` rows (a decode
     step's one token), ``prompt`` for larger ones (a prompt pass through the exit layers).
 
@@ -189,7 +208,8 @@ class PromptRowsLinear(nn.Module):
         prompt: the multi-row kernel's module (a second copy of the weights, in its own layout).
         min_rows: calls with at least this many rows (``x.numel() / in_features``) use ``prompt``.
 
-    ``forward(x)``: ``x [..., in_features]`` -> ``[..., out_features]``, x's dtype.
+    ``forward(x)``: ``x [..., in_features]`` -> ``[..., out_features]``, x's dtype. Named by its
+    decode kernel, and only the decode copy's bytes count (a decode step does not read ``prompt``).
     """
 
     def __init__(self, decode: nn.Module, prompt: nn.Module, min_rows: int):
@@ -205,6 +225,13 @@ class PromptRowsLinear(nn.Module):
             return self.prompt(x)
         return self.decode(x)
 
+    @property
+    def river_kernel(self) -> str:
+        return kernel_name(self.decode)
+
+    def weight_nbytes(self) -> int:
+        return linear_weight_bytes(self.decode)
+
     def extra_repr(self) -> str:
         return f"min_rows={self.min_rows}"
 
@@ -217,63 +244,6 @@ def relative_error(linear: nn.Linear, copy_: nn.Module, rows: int = 4) -> float:
     x = torch.randn(rows, linear.in_features, generator=gen).to(linear.weight.device, linear.weight.dtype)
     ref = linear(x).float()
     return float((copy_(x).float() - ref).norm() / ref.norm().clamp(min=1e-12))
-
-
-def kernel_name(module: nn.Module) -> str:
-    """The kernel a built Linear copy runs on (``torch-int8``, ``quanto-int4``, ``dense`` ...); a
-    :class:`PromptRowsLinear` is named by its decode kernel (what a decode step runs)."""
-    if isinstance(module, PromptRowsLinear):
-        module = module.decode
-    inner = module.inner if isinstance(module, CastLinear) else module
-    named = getattr(inner, "river_kernel", None)  # the modules of .external name their kernel
-    if isinstance(named, str):
-        return named
-    if isinstance(inner, Int8WeightOnlyLinear):
-        return "torch-int8"
-    if isinstance(inner, Int4WeightOnlyLinear):
-        return "torch-int4-g32" if inner.group_size == 32 else "torch-int4"
-    if type(inner).__name__.startswith("QLinear"):
-        kind = type(inner.weight).__name__
-        bits = 4 if "QBits" in kind else 8
-        return f"quanto-int{bits}" + ("" if bits == 8 or kind in _FAST_INT4_TYPES else " (slow fallback)")
-    return "dense"
-
-
-def linear_weight_bytes(module: nn.Module) -> int:
-    """Bytes of weight storage read by one pass through ``module``'s Linears (quantized or not).
-
-    Counts packed integer data, scales and zero points (torch-int8/int4 buffers, quanto's inner
-    tensors, what an ``ort-*`` / ``ark-*`` / ``torch-dyn-int8`` module's ``weight_nbytes()``
-    reports) and the plain weight (and bias) bytes of dense Linears. Used for the achieved
-    bandwidth figure (bytes per step x steps per second). Of a :class:`PromptRowsLinear` only the
-    decode copy counts (a decode step does not read the prompt kernel's copy).
-    """
-    total = 0
-    skip = {id(sub) for m in module.modules() if isinstance(m, PromptRowsLinear) for sub in m.prompt.modules()}
-    for m in module.modules():
-        if id(m) in skip:
-            continue
-        if isinstance(m, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
-            total += sum(_tensor_bytes(b) for b in m.buffers(recurse=False))
-        elif callable(getattr(m, "weight_nbytes", None)):  # the modules of .external (weights outside torch)
-            total += int(m.weight_nbytes())
-        elif isinstance(m, nn.Linear) or type(m).__name__.startswith("QLinear"):
-            for t in (getattr(m, "weight", None), getattr(m, "bias", None)):
-                if t is not None:
-                    total += _tensor_bytes(t)
-    return total
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    """Storage bytes of a tensor; quanto's packed tensors are summed over their inner tensors."""
-    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names)
-    return t.numel() * t.element_size()
-
-
-#: quanto weight types that run on a packed int4 kernel (tinygemm on CPU/CUDA, Marlin on CUDA).
-_FAST_INT4_TYPES = ("TinyGemmWeightQBitsTensor", "MarlinInt4WeightQBitsTensor")
 
 
 def fast_kernel_fraction(model: nn.Module) -> float | None:
