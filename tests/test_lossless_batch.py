@@ -59,6 +59,21 @@ def test_exact_drafts_accept_everything_in_a_batch():
     assert river.river_stats["lossless"]["acceptance_rate"] == 1.0
 
 
+def test_exit_only_drafts_and_a_mask_inferred_from_the_pad_token():
+    """``draft_path="exit"`` (every layer its exit copy) and a positional prompt without an
+    attention mask (generate infers it from the pad token): still the plain model's tokens."""
+    from river_hf import RiverConfig
+
+    base = tiny_model("llama")
+    river = river_copy(base, config=RiverConfig(draft_path="exit"))
+    ids, _ = left_padded((8, 5, 7))
+    ref = base.generate(ids, max_new_tokens=16, pad_token_id=0, **GEN)
+    with river.river_mode("lossless"):
+        out = river.generate(ids, max_new_tokens=16, pad_token_id=0, **GEN)
+    assert torch.equal(out, ref)
+    assert river.river_stats["lossless"]["draft_path"] == "exit" and river.river_stats["mean_exit_layer"] == 0
+
+
 def test_rows_finish_at_different_times():
     """Two EOS ids, each first emitted by a different row at a different step: finished rows are
     padded like generate pads them, the others go on, and every row's tokens are the plain ones."""
