@@ -268,10 +268,17 @@ def generate_batch(model, plan: BatchPlan, record: dict) -> torch.Tensor:
             record["last_round_end"] = now
             record["verify_passes"] += 1
             if drafts.shape[1]:
-                record["rounds"] += int(live.sum())
-                record["drafted"] += int(limit[live].sum())
-                record["accepted"] += int(n[live].sum())
-                if config.draft_schedule == "heuristic":
-                    all_accepted = bool((n[live] == limit[live]).all())
-                    k = min(k + 2, config.max_draft_tokens) if all_accepted else max(1, k - 1)
+                k = _judge_round(record, config, k, n[live], limit[live])
     return _output(state, plan)
+
+
+def _judge_round(record: dict, config, k: int, n: torch.Tensor, limit: torch.Tensor) -> int:
+    """Count a round's live rows (accepted ``n``, judged ``limit``) and return the next k:
+    transformers' ``heuristic`` schedule on the batch's slowest row (+2 when every live row
+    accepted every draft, else -1), or k unchanged (``constant``)."""
+    record["rounds"] += int(n.numel())
+    record["drafted"] += int(limit.sum())
+    record["accepted"] += int(n.sum())
+    if config.draft_schedule != "heuristic":
+        return k
+    return min(k + 2, config.max_draft_tokens) if bool((n == limit).all()) else max(1, k - 1)
