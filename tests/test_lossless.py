@@ -110,14 +110,15 @@ def test_lossless_with_exact_drafts_accepts_everything():
     assert river.river_stats["lossless"]["acceptance_rate"] == 1.0
 
 
-def test_lossless_batch_falls_back_to_the_backbone_and_warns():
+def test_lossless_batch_with_a_history_dependent_setting_falls_back_to_the_backbone_and_warns():
+    """(A batch without one drafts: tests/test_lossless_batch.py.)"""
     base = tiny_model("llama")
     river = river_copy(base)
     torch.manual_seed(3)
     ids = torch.randint(3, 256, (2, 10))
-    ref = base.generate(ids, max_new_tokens=12, pad_token_id=0, **GEN)
-    with river.river_mode("lossless"), pytest.warns(UserWarning, match="one sequence at a time"):
-        out = river.generate(ids, max_new_tokens=12, pad_token_id=0, **GEN)
+    ref = base.generate(ids, max_new_tokens=12, pad_token_id=0, repetition_penalty=1.2, **GEN)
+    with river.river_mode("lossless"), pytest.warns(UserWarning, match="cannot draft this call.*RepetitionPenalty"):
+        out = river.generate(ids, max_new_tokens=12, pad_token_id=0, repetition_penalty=1.2, **GEN)
     assert torch.equal(out, ref)
     stats = river.river_stats
     assert stats["exit_fraction"] == 0.0 and "lossless" not in stats and stats["mode"] == "backbone"

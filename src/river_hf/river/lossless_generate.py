@@ -7,30 +7,45 @@ assisted-decoding loop with the model as its own assistant, and the model's
 ``_get_candidate_generator`` / ``_get_stopping_criteria`` hand it :func:`drafter` (an
 :class:`~river_hf.river.lossless.ExitPathDrafter`) and :func:`first_stop` (the criteria wrapped in
 :class:`~river_hf.river.lossless.FirstStop`). The drafting itself is :mod:`.lossless`.
+
+A batch of several sequences gets a :class:`~river_hf.river.lossless_batch.BatchPlan` from
+:func:`can_draft` instead (:func:`batch_plan`): River's own loop (:mod:`.lossless_batch`) runs it,
+as transformers' assisted decoding is batch 1 only.
 """
 
 from __future__ import annotations
 
 import warnings
 
-from ..compat import prepare_generation_config
+import torch
+
+from ..compat import eos_token_ids, logits_processors, prepare_generation_config, prepare_lengths
 from ..errors import RiverError
 from .layer import LOSSLESS
 from .lossless import ExitPathDrafter, FirstStop
+from .lossless_batch import HISTORY_FREE, BatchPlan
 
-__all__ = ["OTHER_DRAFTERS", "can_draft", "drafter", "first_stop"]
+__all__ = ["OTHER_DRAFTERS", "BATCH_FALLBACK_ARGS", "BATCH_FALLBACK_SETTINGS", "can_draft", "batch_plan", "drafter",
+           "first_stop"]
 
 #: ``generate`` arguments that bring their own drafter or decoding loop (refused in lossless mode).
 OTHER_DRAFTERS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate", "use_mtp",
                   "assistant_tokenizer")
 
 
-def can_draft(model, kwargs: dict, gen_config, prompt, stacklevel: int = 2) -> bool:
-    """Whether this lossless-mode call of ``model.generate`` can draft and verify: one sequence,
-    no beams, one return sequence, a cache. When it cannot, the call runs on the backbone alone
-    (warned once per model and reason; ``stacklevel`` 2: the warning points at the caller of this
-    function's caller). Refuses arguments, or generation-config settings, that bring another
-    drafter."""
+def can_draft(model, kwargs: dict, gen_config, prompt, stacklevel: int = 2, args: tuple = ()):
+    """Whether this lossless-mode call of ``model.generate`` can draft and verify, and how.
+
+    Returns ``True`` for one sequence (transformers' assisted decoding with River's drafter), a
+    :class:`~river_hf.river.lossless_batch.BatchPlan` for a batch River's own loop can carry
+    (:func:`batch_plan`), or ``False``: no beams, one return sequence and a cache are needed, and a
+    batch only takes settings that depend on the current logits alone. A call that cannot draft
+    runs on the backbone alone (warned once per model and reason, naming the setting;
+    ``stacklevel`` 2: the warning points at the caller of this function's caller).
+
+    Raises:
+        RiverError: arguments, or generation-config settings, that bring another drafter.
+    """
     # the config transformers' generate will use: the call's config (or a fresh one) with the
     # model's generation_config filling what it leaves unset, then the call's keyword arguments
     base, _ = prepare_generation_config(
@@ -47,21 +62,76 @@ def can_draft(model, kwargs: dict, gen_config, prompt, stacklevel: int = 2) -> b
     returns = getattr(base, "num_return_sequences", None) or 1
     use_cache = getattr(base, "use_cache", True)
     batch = prompt.shape[0] if prompt is not None else 1
-    reasons = [why for why, bad in (("a batch of %d sequences" % batch, batch > 1), ("num_beams=%d" % beams, beams > 1),
+    reasons = [why for why, bad in (("num_beams=%d" % beams, beams > 1),
                                     ("num_return_sequences=%d" % returns, returns > 1),
                                     ("use_cache=False", use_cache is False)) if bad]
+    plan = True
+    if not reasons and batch > 1:
+        plan, reasons = batch_plan(model, args, kwargs, gen_config, prompt)
     if not reasons:
-        return True
+        return plan
     warned = model.__dict__.setdefault("_river_warned_lossless_batch", set())
-    key = tuple(r.split("=")[0].split(" of ")[0] for r in reasons)
+    key = tuple(r.split("=")[0].split(" (")[0] for r in reasons)
     if key not in warned:
         warned.add(key)
         warnings.warn(
-            f"River's lossless mode drafts for one sequence at a time (transformers' assisted decoding: batch 1, "
-            f"num_beams=1, num_return_sequences=1, with a cache); this call has {', '.join(reasons)}, so it runs on "
-            "the backbone alone: the same tokens, not faster (river_stats['mode'] says 'backbone')",
-            UserWarning, stacklevel=stacklevel + 1)
+            f"River's lossless mode cannot draft this call ({'; '.join(reasons)}): it drafts for one sequence with "
+            "transformers' assisted decoding, or for a batch with River's own loop when every logits processor reads "
+            "the current logits only (temperature, top-k, top-p, ...), with no beams, one return sequence and a "
+            "cache; so it runs on the backbone alone: the same tokens, not faster (river_stats['mode'] says "
+            "'backbone')", UserWarning, stacklevel=stacklevel + 1)
     return False
+
+
+#: ``generate`` arguments a batched lossless call leaves to the backbone path when given
+#: (they read the token history, stream or return more than the sequences).
+BATCH_FALLBACK_ARGS = ("stopping_criteria", "prefix_allowed_tokens_fn", "streamer", "negative_prompt_ids",
+                       "negative_prompt_attention_mask", "synced_gpus", "inputs_embeds", "cache", "past_key_values")
+#: generation settings a batched lossless call leaves to the backbone path when set.
+BATCH_FALLBACK_SETTINGS = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                           "output_hidden_states", "stop_strings", "max_time")
+
+
+def batch_plan(model, args: tuple, kwargs: dict, gen_config, prompt):
+    """``(BatchPlan, [])`` when River's own batched loop (:mod:`.lossless_batch`) can carry this
+    call exactly, else ``(False, reasons)``: each reason names the argument or setting (a
+    processor that reads the token history such as ``repetition_penalty``, ``no_repeat_ngram_size``,
+    ``min_new_tokens``, suppressed tokens; stopping criteria, stop strings, streamers,
+    ``return_dict_in_generate``; a sliding window the call may outgrow; other model inputs)."""
+    if len(args) > 2:
+        return False, ["positional arguments after generation_config"]
+    config, extra = prepare_generation_config(
+        model, gen_config, **{k: v for k, v in kwargs.items() if k != "generation_config"})
+    reasons = [f"{k} given" for k in BATCH_FALLBACK_ARGS if kwargs.get(k) is not None]
+    reasons += [f"{k} given" for k, v in extra.items() if v is not None and k not in BATCH_FALLBACK_ARGS
+                and k not in ("input_ids", "inputs", "attention_mask", "logits_processor", "tokenizer")]
+    reasons += [f"{k}={getattr(config, k)!r}" for k in BATCH_FALLBACK_SETTINGS if getattr(config, k, None)]
+    if config.cache_implementation not in (None, "dynamic"):
+        reasons.append(f"cache_implementation={config.cache_implementation!r}")
+    if reasons:
+        return False, reasons
+    has_default = {f: kwargs.get(f) is None and (gen_config is None or getattr(gen_config, f) is None)
+                   and getattr(model.generation_config, f) is None for f in ("max_length", "min_length")}
+    mask = kwargs.get("attention_mask")
+    try:
+        config = prepare_lengths(model, config, prompt, has_mask=mask is not None, has_default=has_default)
+    except ValueError as e:  # the prompt is already max_length long
+        raise RiverError(str(e)) from e
+    processors = logits_processors(model, config, prompt, logits_processor=kwargs.get("logits_processor"),
+                                   prefix_allowed_tokens_fn=None, model_kwargs=dict(extra))
+    reasons = [f"{type(p).__name__} (reads the tokens so far)" for p in processors if not isinstance(p, HISTORY_FREE)]
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    longest = prompt.shape[1] + (config.max_length - prompt.shape[1]) * (model.river_config.max_draft_tokens + 1)
+    if window is not None and longest > window:
+        reasons.append(f"sliding_window={window} (a batch's masked draft positions would take window slots)")
+    if reasons:
+        return False, reasons
+    eos = eos_token_ids(config)
+    pad = config.pad_token_id if config.pad_token_id is not None else (min(eos) if eos else 0)
+    if mask is None:  # as generate infers it: padding where the pad token is (unless it is also EOS)
+        mask = prompt.ne(pad).long() if (prompt == pad).any() and not (eos and pad in eos) else torch.ones_like(prompt)
+    return BatchPlan(input_ids=prompt, attention_mask=mask, max_length=config.max_length, eos=eos,
+                     pad_token_id=int(pad), do_sample=bool(config.do_sample), processors=processors), []
 
 
 def drafter(model, generation_config, logits_processor) -> ExitPathDrafter | None:

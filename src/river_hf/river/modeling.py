@@ -45,6 +45,7 @@ from .layer import BACKBONE_ONLY, LOSSLESS, ROUTE, RiverHead, RiverLayer
 from .loading import architecture, as_class, load_checkpoint, overrides
 from .loading import read_config as _read_config  # noqa: F401  (the old name)
 from .lossless import cut_at_stop, lossless_call
+from .lossless_batch import BatchPlan
 from .lossless_generate import can_draft, drafter, first_stop
 from .serialization import save_river, saved_river_config
 from .settings import RiverSettingsMixin
@@ -216,9 +217,10 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
 
         In lossless mode (:meth:`river_mode` ``("lossless")`` or ``RiverConfig.lossless``) a call
         with one sequence runs transformers' assisted decoding with River's exit path as the
-        drafter (:mod:`river_hf.river.lossless`); its tokens are the unmodified model's. A batch,
-        beam search or ``num_return_sequences`` > 1 runs on the backbone (exact, not faster;
-        warns once).
+        drafter (:mod:`river_hf.river.lossless`), a batch River's own loop
+        (:mod:`river_hf.river.lossless_batch`); its tokens are the unmodified model's. Beam search,
+        ``num_return_sequences`` > 1, or a batch with a setting that reads the token history, runs
+        on the backbone (exact, not faster; warns once).
 
         Args:
             river_tau: threshold τ for this call only (the model's τ is unchanged afterwards); in
@@ -250,16 +252,18 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
         local = self.river._local
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.river_tau_override(river_tau, stacklevel=3))
-            if lossless and not can_draft(self, kwargs, gen_config, prompt):
+            plan = can_draft(self, kwargs, gen_config, prompt, args=args) if lossless else None
+            if lossless and not plan:
                 lossless = False
                 stack.enter_context(self.river.override(mode=BACKBONE_ONLY))
             mode = self.river.mode
             log = stack.enter_context(self.river.recording())
             if lossless:
                 stack.enter_context(lossless_call(self, record))
-                kwargs["assistant_model"] = self  # transformers' assisted decoding; the drafter is River's
+                if plan is True:  # one sequence: transformers' assisted decoding, the drafter is River's
+                    kwargs["assistant_model"] = self
             start = time.perf_counter()
-            out = super().generate(*args, **kwargs)
+            out = plan.generate(self, record) if isinstance(plan, BatchPlan) else super().generate(*args, **kwargs)
             seconds = time.perf_counter() - start
             stop = local.first_stop if lossless else None
             local.first_stop = None

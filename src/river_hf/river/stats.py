@@ -60,7 +60,10 @@ def summarize(log: list | None, *, num_layers: int, mode: str, strategy: str, st
         bandwidth_gb_s: those bytes / decode_seconds / 1e9 (GB/s).
         lossless: (lossless calls) acceptance rate, mean accepted draft length, drafts per
             verify, tokens per verify, draft and verify seconds (:meth:`ExitPathDrafter.stats`),
-            plus ``overhead_seconds`` = decode_seconds - draft - verify.
+            plus ``overhead_seconds`` = decode_seconds - draft - verify. A batched call
+            (:mod:`.lossless_batch`) adds ``batch_size`` and ``verify_passes`` (batch passes); its
+            ``rounds``, ``drafted``, ``accepted`` (and so the rates and ``tokens_per_verify``) are
+            summed over rows, one round per live row per verify pass.
     """
     log = log or []
     L = num_layers
@@ -109,6 +112,11 @@ def summarize(log: list | None, *, num_layers: int, mode: str, strategy: str, st
                 stats["bandwidth_gb_s"] = pass_bytes / decode_seconds / 1e9
     if lossless is not None:
         stats["lossless"] = ExitPathDrafter.stats(lossless)
+        if "batch_size" in lossless:  # a batched call: rounds/drafted/accepted count rows, costs a whole pass
+            s, passes, step = stats["lossless"], lossless.get("verify_passes", 0), lossless.get("backbone_step_seconds")
+            s["batch_size"], s["verify_passes"] = lossless["batch_size"], passes
+            s["verify_cost_steps"] = s["by_source"]["exit_path"]["verify_cost_steps"] = (
+                lossless.get("verify_seconds", 0.0) / passes / step if passes and step else None)
         if "decode_seconds" in stats:
             s = stats["lossless"]
             s["overhead_seconds"] = stats["decode_seconds"] - s["draft_seconds"] - s["verify_seconds"]

@@ -1,0 +1,284 @@
+"""Lossless River for a batch of sequences: River's own draft / verify / accept loop.
+
+Each round every unfinished row drafts k tokens through the exit path (route mode, the whole batch
+in one one-token pass per draft, K/V written into the shared cache; a batch exits when its
+slowest real row does), the k drafted positions are cropped, and ONE backbone pass verifies
+[last token + k drafts] for all rows (B x (k+1) tokens). Each row accepts its own longest prefix
+(greedy: drafts equal to the backbone's argmax; sampling: Leviathan et al. 2023, Alg. 1, per row:
+accept draft x with min(1, p(x)/q(x)), on rejection sample from norm(max(p - q, 0)), the bonus
+token from p when all were accepted) plus one backbone token.
+
+Rows advance by different amounts, yet the cache keeps ONE common length: a row's rejected drafts
+stay in the cache as positions whose 2-D attention mask is 0 (padding in the middle of the mask,
+which transformers' ``masking_utils`` padding mask reads per key position), and position ids come
+from the cumulative mask (as ``generate`` computes them for left padding), so each row's real
+positions stay contiguous. Columns no row accepted are cropped off. The returned sequences drop
+those masked positions: ``[B, prompt + new]``, rows padded with ``pad_token_id`` after their EOS.
+
+Why not transformers' assisted loop (``_assisted_decoding``): it is batch 1 by construction, one
+cache length and one ``n_matches`` per round (``_speculative_sampling`` judges a single row), so a
+batch whose rows accept different numbers of drafts cannot be carried there.
+
+Only logits warpers that read nothing but the current scores are applied here
+(:data:`HISTORY_FREE`); :func:`river_hf.river.lossless_generate.can_draft` sends any other setting
+to the backbone path. Prompt lookup and the FR-Spec draft vocabulary apply to batch-1 calls only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalization, LogitsProcessorList,
+                          MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+                          TypicalLogitsWarper)
+
+from .cache import RiverCache
+from .layer import EXIT_ONLY, ROUTE
+
+__all__ = ["HISTORY_FREE", "BatchPlan", "generate_batch"]
+
+#: Logits processors that depend only on the current scores (never on the tokens so far), so the
+#: same processed distribution is computed for a draft, a verify position and plain decoding.
+HISTORY_FREE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+                EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalization)
+
+
+@dataclass
+class BatchPlan:
+    """What one batched lossless call needs (built by ``lossless_generate.can_draft``).
+
+    Attributes:
+        input_ids: ``LongTensor [B, n]``, the prompts as given (left padding included).
+        attention_mask: ``LongTensor [B, n]``, 1 for real prompt tokens.
+        max_length: the longest output, prompt padding included (generate's ``max_length``).
+        eos: EOS token ids, or None.
+        pad_token_id: what finished rows are padded with.
+        do_sample: sampling (else greedy).
+        processors: the call's processors, all of :data:`HISTORY_FREE` types.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    max_length: int
+    eos: set[int] | None
+    pad_token_id: int
+    do_sample: bool
+    processors: LogitsProcessorList
+
+    def generate(self, model, record: dict) -> torch.Tensor:
+        """The call's output, ``LongTensor [B, prompt + new]`` (see :func:`generate_batch`)."""
+        return generate_batch(model, self, record)
+
+
+@dataclass
+class _State:
+    ids: torch.Tensor  # [B, T]: every column the cache has seen plus the pending last token
+    mask: torch.Tensor  # [B, T] long: 1 = a real token of that row, 0 = padding / rejected draft
+    cache: RiverCache  # holds T - 1 columns
+    new: torch.Tensor  # [B] long: real new tokens per row
+    done: torch.Tensor  # [B] bool
+
+
+def _positions(mask: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Position ids of the last ``tokens`` columns: real positions stay contiguous per row."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)[:, -tokens:]
+
+
+def _pass_mask(state: _State) -> torch.Tensor:
+    """The mask a pass sees: a finished row's pending last token counts as padding (so it does not
+    hold back the exit decision of the live rows)."""
+    return torch.cat([state.mask[:, :-1], state.mask[:, -1:] * (~state.done).long()[:, None]], -1)
+
+
+def _scores(plan: BatchPlan, logits: torch.Tensor) -> torch.Tensor:
+    """Processed scores of ``logits [..., V]`` (history-free processors: no token ids are read)."""
+    if not len(plan.processors):
+        return logits
+    flat = logits.reshape(-1, logits.shape[-1])
+    dummy = torch.zeros((flat.shape[0], 1), dtype=torch.long, device=flat.device)
+    return plan.processors(dummy, flat).view(logits.shape)
+
+
+def _choose(plan: BatchPlan, scores: torch.Tensor) -> torch.Tensor:
+    """``[B, 1]`` tokens: a sample of softmax(scores) or its argmax."""
+    if plan.do_sample:
+        return torch.multinomial(scores.softmax(-1), num_samples=1)
+    return scores.argmax(-1, keepdim=True)
+
+
+def _is_eos(plan: BatchPlan, tokens: torch.Tensor) -> torch.Tensor:
+    if not plan.eos:
+        return torch.zeros_like(tokens, dtype=torch.bool)
+    return torch.isin(tokens, torch.tensor(sorted(plan.eos), device=tokens.device))
+
+
+def _prefill(model, plan: BatchPlan) -> _State:
+    """The prompt on the backbone (lossless mode keeps it there) and the first new token."""
+    ids, mask = plan.input_ids, plan.attention_mask.long()
+    cache = RiverCache(config=model.config.get_text_config(decoder=True))
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask, ids.shape[1]), cache=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    first = _choose(plan, _scores(plan, logits))
+    new = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
+    done = _is_eos(plan, first)[:, 0] | (ids.shape[1] + new >= plan.max_length)
+    return _State(torch.cat([ids, first], -1), torch.cat([mask, torch.ones_like(first)], -1), cache, new, done)
+
+
+def _draft(model, state: _State, k: int, plan: BatchPlan, record: dict):
+    """Up to ``k`` drafts per row through the exit path, their K/V cropped again.
+
+    Returns ``(drafts LongTensor [B, j], q float32 [B, j, V] or None)``, j <= k (fewer when every
+    live row drafted an EOS)."""
+    settings = getattr(model.river._local, "draft_settings", None) or {}
+    mode = EXIT_ONLY if settings.get("draft_path") == "exit" else ROUTE
+    live = (~state.done).long()[:, None]
+    mask, token = _pass_mask(state), state.ids[:, -1:]
+    drafts, qs = [], []
+    ended = state.done.clone()
+    with model.river.override(mode=mode, rules=settings.get("draft_rules")):
+        for j in range(k):
+            if j:
+                mask = torch.cat([mask, live], -1)
+            logits = model(input_ids=token, attention_mask=mask, position_ids=_positions(mask, 1), cache=state.cache,
+                           use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            record["draft_exit_layers"].append(model.river.exit_layer)
+            scores = _scores(plan, logits)
+            token = _choose(plan, scores).masked_fill(state.done[:, None], plan.pad_token_id)
+            drafts.append(token)
+            if plan.do_sample:
+                qs.append(scores.softmax(-1))
+            ended |= _is_eos(plan, token)[:, 0]
+            if bool(ended.all()):
+                break
+    state.cache.crop(-len(drafts))  # the drafts' K/V; the verify pass writes the backbone's in their place
+    record["draft_passes"] += len(drafts)
+    return torch.cat(drafts, -1), (torch.stack(qs, 1) if plan.do_sample else None)
+
+
+def _verify(model, state: _State, drafts: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+    """One backbone pass over [last token + drafts] for every row: processed scores
+    ``float32 [B, k+1, V]`` (position j scores the token after draft j)."""
+    k = drafts.shape[1]
+    tokens = torch.cat([state.ids[:, -1:], drafts], -1)
+    mask = torch.cat([_pass_mask(state), (~state.done).long()[:, None].expand(-1, k)], -1)
+    logits = model(input_ids=tokens, attention_mask=mask, position_ids=_positions(mask, k + 1), cache=state.cache,
+                   use_cache=True).logits.float()
+    return _scores(plan, logits)
+
+
+def _accept(plan: BatchPlan, drafts: torch.Tensor, q, scores: torch.Tensor, limit: torch.Tensor):
+    """Each row's accepted drafts ``n [B]`` (at most ``limit [B]``) and its next token ``[B, 1]``:
+    greedy longest prefix equal to the argmax, or the speculative-sampling rule per row."""
+    B, k = drafts.shape
+    if k == 0:
+        return limit.new_zeros(B), _choose(plan, scores[:, 0])
+    judged = torch.arange(k, device=drafts.device)[None, :] < limit[:, None]
+    rows = torch.arange(B, device=drafts.device)
+    if not plan.do_sample:
+        best = scores.argmax(-1)
+        n = ((drafts == best[:, :k]) & judged).long().cumprod(-1).sum(-1)
+        return n, best[rows, n][:, None]
+    p = scores.softmax(-1)
+    p_draft = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_draft = q.gather(-1, drafts[..., None])[..., 0]
+    ok = (torch.rand_like(p_draft) <= p_draft / q_draft) & judged
+    n = ok.long().cumprod(-1).sum(-1)
+    p_n = p[rows, n]
+    rejected = n < limit  # a judged draft was rejected: sample from the residual, else from p
+    q_n = torch.cat([q, torch.zeros_like(p[:, :1])], 1)[rows, n] * rejected[:, None]
+    residual = (p_n - q_n).clamp(min=0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_n)
+    return n, torch.multinomial(residual, num_samples=1)
+
+
+def _advance(state: _State, plan: BatchPlan, drafts: torch.Tensor, n: torch.Tensor, bonus: torch.Tensor) -> None:
+    """Append the round: accepted drafts stay real, rejected ones become masked columns (cropped
+    where no row accepted them), the next token becomes the pending last column; rows stop at EOS
+    or the length limit."""
+    live = ~state.done
+    m = int(n[live].max()) if bool(live.any()) else 0
+    k = drafts.shape[1]
+    if k > m:
+        state.cache.crop(m - k)  # columns no row accepted
+    cols = torch.cat([drafts[:, :m], bonus], -1)  # [B, m+1]
+    j = torch.arange(m + 1, device=cols.device)[None, :]
+    real = ((j < n[:, None]) | (j == m)) & live[:, None]
+    emitted_eos = _is_eos(plan, cols) & real
+    first = torch.where(emitted_eos.any(-1), emitted_eos.long().argmax(-1), m + 1)  # column of the first EOS
+    real &= j <= first[:, None]
+    state.ids = torch.cat([state.ids, cols.masked_fill(~real, plan.pad_token_id)], -1)
+    state.mask = torch.cat([state.mask, real.long()], -1)
+    state.new += real.sum(-1)
+    state.done |= emitted_eos.any(-1) | (plan.input_ids.shape[1] + state.new >= plan.max_length)
+
+
+def _output(state: _State, plan: BatchPlan) -> torch.Tensor:
+    """``[B, prompt + new]``: the prompts as given, each row's real new tokens, then padding."""
+    n = plan.input_ids.shape[1]
+    width = int(state.new.max())
+    out = torch.full((state.ids.shape[0], n + width), plan.pad_token_id, dtype=torch.long, device=state.ids.device)
+    out[:, :n] = plan.input_ids
+    for b in range(out.shape[0]):
+        row = state.ids[b, n:][state.mask[b, n:].bool()]
+        out[b, n:n + row.numel()] = row
+    return out
+
+
+def generate_batch(model, plan: BatchPlan, record: dict) -> torch.Tensor:
+    """Lossless decoding of a batch with ``model`` (a River model in lossless mode, inside
+    :func:`~river_hf.river.lossless.lossless_call`, which sets the draft settings).
+
+    Returns ``LongTensor [B, prompt + new]``: the plain model's tokens per row (greedy: identical;
+    sampling: the same distribution), rows padded with ``plan.pad_token_id`` after their EOS.
+    ``record`` gets the call's statistics counted per row (``rounds``: live rows per verify pass,
+    ``drafted``, ``accepted``), ``verify_passes``, ``batch_size`` and the draft/verify seconds.
+    """
+    config = model.river_config
+    for key in ("rounds", "drafted", "accepted", "draft_passes", "verify_passes"):
+        record.setdefault(key, 0)
+    for key in ("draft_seconds", "verify_seconds", "exit_verify_seconds"):
+        record.setdefault(key, 0.0)
+    record.setdefault("draft_exit_layers", [])
+    record.update(batch_size=plan.input_ids.shape[0], draft_path=(getattr(model.river._local, "draft_settings", None)
+                                                                  or {}).get("draft_path", "route"))
+    k = config.draft_tokens
+    with torch.no_grad():
+        state = _prefill(model, plan)
+        while not bool(state.done.all()):
+            start = time.perf_counter()
+            live = ~state.done
+            room = plan.max_length - plan.input_ids.shape[1] - state.new - 1  # drafts a row may still accept
+            k_round = max(0, min(k, int(room[live].max())))
+            if k_round:
+                drafts, q = _draft(model, state, k_round, plan, record)
+            else:
+                drafts, q = state.ids.new_zeros((state.ids.shape[0], 0)), None
+            verify_start = time.perf_counter()
+            scores = _verify(model, state, drafts, plan)
+            limit = room.clamp(min=0, max=drafts.shape[1])
+            n, bonus = _accept(plan, drafts, q, scores, limit)
+            _advance(state, plan, drafts, n, bonus)
+            now = time.perf_counter()
+            record["draft_seconds"] += verify_start - start
+            record["verify_seconds"] += now - verify_start
+            record["exit_verify_seconds"] += now - verify_start
+            record["last_round_end"] = now
+            record["verify_passes"] += 1
+            if drafts.shape[1]:
+                k = _judge_round(record, config, k, n[live], limit[live])
+    return _output(state, plan)
+
+
+def _judge_round(record: dict, config, k: int, n: torch.Tensor, limit: torch.Tensor) -> int:
+    """Count a round's live rows (accepted ``n``, judged ``limit``) and return the next k:
+    transformers' ``heuristic`` schedule on the batch's slowest row (+2 when every live row
+    accepted every draft, else -1), or k unchanged (``constant``)."""
+    record["rounds"] += int(n.numel())
+    record["drafted"] += int(limit.sum())
+    record["accepted"] += int(n.sum())
+    if config.draft_schedule != "heuristic":
+        return k
+    return min(k + 2, config.max_draft_tokens) if bool((n == limit).all()) else max(1, k - 1)
