@@ -69,8 +69,9 @@ def prompt_kernels_off(model):
     """Within the block, every exit Linear with a prompt kernel (``PromptRowsLinear``) sends all
     calls to its one-row kernel: the model as built without ``prompt_kernel``, same weights."""
     from river_hf.quant.modules import PromptRowsLinear
+    from river_hf.river import exit_modules
 
-    wrapped = [m for m in model.modules() if isinstance(m, PromptRowsLinear)]
+    wrapped = [m for _, m in exit_modules(model) if isinstance(m, PromptRowsLinear)]
     old = [m.min_rows for m in wrapped]
     for m in wrapped:
         m.min_rows = 1 << 62

@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     from river_hf.models import encode_prompt, resolve
     from river_hf.quant.autotune import load_average
     from river_hf.quant.modules import PromptRowsLinear, linear_weight_bytes
+    from river_hf.river import exit_modules
     from river_hf.cli_args import check_output_path
     from river_hf.errors import RiverError
     from river_hf.quant import get_backend
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
                                                      river_config=config)
     except RiverError as e:
         ap.error(str(e))
-    wrapped = [m for m in model.modules() if isinstance(m, PromptRowsLinear)]
+    wrapped = [m for _, m in exit_modules(model) if isinstance(m, PromptRowsLinear)]
     if not wrapped:
         ap.error("no exit Linear got a prompt kernel here (onnxruntime missing, RIVER_HF_AUTOTUNE=0, or the "
                  "one-row kernels measured faster at 128 rows): nothing to compare")
