@@ -76,6 +76,7 @@ def _uses(path: Path, private: set[str]) -> list[tuple[str, int]]:
     methods = {f.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body
                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     own = assigned | (methods & called)
+    in_class = {id(f) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body}  # module-level defs override nothing
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers"):
@@ -84,7 +85,7 @@ def _uses(path: Path, private: set[str]) -> list[tuple[str, int]]:
         elif isinstance(node, ast.Attribute):
             names = [] if getattr(node.value, "id", None) == "self" and node.attr in own else [node.attr]
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names = [] if node.name in own else [node.name]
+            names = [] if node.name in own or id(node) not in in_class else [node.name]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
             names = [] if node.value in own else [node.value]  # self.__dict__["_x"] of the module's own _x
         else:
