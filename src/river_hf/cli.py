@@ -13,6 +13,7 @@ nothing else is caught.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -96,6 +97,21 @@ def _detach_stdout(stream) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _quiet_progress():
+    """``--no-progress`` of any subcommand: transformers' own bars too ("Loading weights", and the
+    Hub's download bars, which ``disable_progress_bar`` also turns off), restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit status (0 done; 2 bad input, one ``river-hf: error:``
     line; 1 the output could not be written to standard output, one such line; 130 interrupted)."""
@@ -104,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     old_format, warnings.formatwarning = warnings.formatwarning, _one_line_warning  # not file:line + source
     stdout = sys.stdout
     sys.stdout = _StdoutGuard(stdout)
+    quiet = _quiet_progress() if getattr(args, "no_progress", False) else contextlib.nullcontext()
     try:
-        status = int(args.func(args) or 0)
+        with quiet:
+            status = int(args.func(args) or 0)
         sys.stdout.flush()  # output still buffered fails here, not in the interpreter's exit
         return status
     except RiverError as e:
