@@ -45,7 +45,7 @@ token, acceptance rate, tokens per verify, and for River the time per draft and 
 reference decode steps. JSON + PNG + Markdown.
 
 Prompts: ``--prompts humaneval:100-102,gsm8k:100-101`` (HumanEval's own order; GSM8K test-split
-order, ``../shared/data/gsm8k/test.jsonl`` or ``--gsm8k-data``), ``--problems`` being the HumanEval
+order, ``$RIVER_HF_CACHE/data/gsm8k/test.jsonl`` or ``--gsm8k-data``), ``--problems`` being the HumanEval
 part alone; ``--set-name`` says which set it is (``tuning``: defaults may be chosen on it;
 ``held-out``: no default was).
 
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--problems", default=None, help="HumanEval indices, e.g. 100-102 or 0-19 (default 100-102)")
     ap.add_argument("--prompts", default=None,
                     help="prompt set, e.g. humaneval:100-102,gsm8k:100-101 (replaces --problems)")
-    ap.add_argument("--gsm8k-data", default=None, help="GSM8K test JSON-lines file (default: the local copy)")
+    ap.add_argument("--gsm8k-data", default=None, help="GSM8K test JSON-lines file (default: $RIVER_HF_CACHE/data/gsm8k/test.jsonl)")
     ap.add_argument("--set-name", default="held-out", choices=("tuning", "held-out"),
                     help="which set the prompts are: tuning (defaults may be chosen on it) or held-out")
     ap.add_argument("--new-tokens", type=int, default=128, help="exact new tokens per prompt (EOS suppressed)")

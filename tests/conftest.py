@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -44,3 +45,15 @@ def tiny_folder(tmp_path_factory, smollm2_path):
     LlamaForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def gsm8k_file(tmp_path_factory) -> str:
+    """A two-question GSM8K test file (JSON lines, GSM8K's own fields and answer format). The one
+    GSM8K fixture: tests pass it with ``--data`` / ``data=`` or place it in a temporary
+    ``$RIVER_HF_CACHE``, and never read a copy of the real data set from a machine path."""
+    path = tmp_path_factory.mktemp("gsm8k") / "test.jsonl"
+    rows = [{"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "3 + 4 = 7\n#### 7"},
+            {"question": "What is 1,000 + 234?", "answer": "#### 1,234"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)

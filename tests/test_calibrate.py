@@ -62,8 +62,6 @@ def test_calibrate_refuses_bad_input_before_loading(argv, message, capsys):
 
 # -- tiny random model: the sample-size warning, --new-tokens with --task, bytes per step --------------
 
-from test_eval import gsm8k_file  # noqa: E402,F401  (fixture)
-
 
 @pytest.fixture(scope="module")
 def tiny(tiny_folder):

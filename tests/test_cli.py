@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -244,3 +245,36 @@ def test_a_closed_pipe_ends_a_listing_quietly(tmp_path):
     done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert "BrokenPipeError" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 0 and done.stdout.count("\n") == 1, (done.returncode, done.stdout, done.stderr)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_failed_write_to_stdout_is_one_error_line(tmp_path, tiny_folder):
+    """`river-hf ... > /dev/full` (issue 40): one `river-hf: error:` line and exit 1, no OSError
+    traceback: the streamed answer of generate (written and flushed token by token) and a
+    listing that is only buffered until the end."""
+    cache = tmp_path / "kernels.json"
+    cache.write_text(json.dumps({"format": 2, "entries": {"cpu|64x64|float32|False|torch-int4": {}}}))
+    commands = (["kernels", "--list", "--file", str(cache)],
+                ["generate", "--model", tiny_folder, "--max-new-tokens", "3", "--no-progress", "hi"])
+    for command in commands:
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, "-m", "river_hf.cli", *command], stdout=full, stderr=subprocess.PIPE,
+                                  text=True, timeout=300)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1, (command, done.stderr)
+        assert lines == ["river-hf: error: cannot write to standard output: No space left on device"], lines
+
+
+def test_an_oserror_that_is_not_stdouts_keeps_its_traceback(monkeypatch):
+    """Only a failed write to standard output becomes the one-line error; any other OSError (here a
+    full disk while writing a file) propagates with its traceback."""
+    import argparse
+
+    import river_hf.cli as cli
+
+    def fails(args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli.OneLineParser, "parse_args", lambda self, argv=None: argparse.Namespace(func=fails))
+    with pytest.raises(OSError, match="No space left"):
+        cli.main(["kernels"])

@@ -26,15 +26,6 @@ from river_hf.eval.tasks import humaneval_completion, load_gsm8k
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
 
-@pytest.fixture(scope="module")
-def gsm8k_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gsm8k") / "test.jsonl"
-    rows = [{"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "3 + 4 = 7\n#### 7"},
-            {"question": "What is 1,000 + 234?", "answer": "#### 1,234"}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 @pytest.mark.parametrize("text, expected", [
     ("She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18", "18"),
     ("Step 1: 5 + 5 = 10.\nThe answer is 12.", "12"),
@@ -153,10 +144,13 @@ def test_timeout_must_be_positive_and_finite(capsys):
         assert "--timeout" in capsys.readouterr().err
 
 
-def test_gsm8k_json_schema_on_tiny_model(tiny_folder, gsm8k_file, tmp_path):
+def test_gsm8k_json_schema_on_tiny_model(tiny_folder, gsm8k_file, tmp_path, capsys):
     out = tmp_path / "gsm8k.json"
     assert main(["eval", "--task", "gsm8k", "--model", tiny_folder, "--data", gsm8k_file, "--tau", "2,0.5",
                  "--limit", "2", "--max-new-tokens", "3", "--out", str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    # --no-progress: no bar at all, transformers' "Loading weights" and datasets' among them (issue 40)
+    assert "Loading weights" not in err and "it/s]" not in err and "%|" not in err, err
     report = json.loads(out.read_text())
     for key in ("task", "model", "taus", "default_tau", "results", "versions", "wall_s", "data", "metric"):
         assert key in report
@@ -271,3 +265,72 @@ def test_task_helpers_leave_the_models_tau_alone(tiny_river, gsm8k_file):
     assert rows[1]["match_rate"] == 1.0
     after = (tiny_river.river_config.tau, [(type(r).__name__, getattr(r, "tau", None)) for r in tiny_river.river.rules])
     assert after == before
+
+
+# -- where GSM8K comes from, checked before any model loads (issues 36 and 40) ----------------------
+
+
+def test_gsm8k_comes_from_data_a_hub_id_or_the_one_cache_file(tmp_path, monkeypatch, gsm8k_file):
+    from river_hf.eval.data import gsm8k_cache_file, gsm8k_source
+
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # no working directory's neighbour is looked in either
+    with pytest.raises(RiverError) as e:
+        gsm8k_source(None)
+    msg = str(e.value)
+    assert "--data FILE" in msg and "--data openai/gsm8k" in msg and "Hub" in msg
+    assert str(tmp_path / "cache" / "data" / "gsm8k" / "test.jsonl") in msg
+    assert gsm8k_source("openai/gsm8k") == "openai/gsm8k"  # loaded (from the Hub) only when read
+    assert gsm8k_source(gsm8k_file) == gsm8k_file
+    cached = gsm8k_cache_file()
+    cached.parent.mkdir(parents=True)
+    cached.write_text(open(gsm8k_file).read())
+    assert gsm8k_source(None) == str(cached)
+    ds, source = load_gsm8k(None, limit=1, progress=False)
+    assert len(ds) == 1 and source == str(cached.resolve())
+    (tmp_path / "other.jsonl").write_text('{"prompt": "not GSM8K"}\n')
+    with pytest.raises(RiverError, match="'question' and 'answer'"):
+        gsm8k_source(str(tmp_path / "other.jsonl"))
+    with pytest.raises(RiverError, match="not found; pass --data FILE"):
+        gsm8k_source("/nonexistent.jsonl")
+
+
+def test_no_machine_path_in_the_code_or_help():
+    """Code and --help name no path of one particular machine (GSM8K used to be looked for in
+    ../shared/... and an absolute path beside it)."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent.parent / "src" / "river_hf"
+    for f in src.rglob("*.py"):
+        text = f.read_text()
+        assert "/work/" not in text and "../shared" not in text, f
+    for command in ("eval", "pareto", "calibrate"):
+        out = subprocess.run([sys.executable, "-m", "river_hf.cli", command, "--help"], capture_output=True, text=True,
+                             env={**os.environ, "COLUMNS": "200"}).stdout
+        assert "$RIVER_HF_CACHE/data/gsm8k/test.jsonl" in out and "shared/" not in out, (command, out)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--task", "gsm8k", "--data", "/nonexistent.jsonl"], "GSM8K file '/nonexistent.jsonl' not found"),
+    (["eval", "--task", "gsm8k"], "no GSM8K data: pass --data FILE"),
+    (["eval", "--task", "agreement", "--data", "x.jsonl"], "--task agreement does not read it"),
+    (["calibrate", "--task", "gsm8k", "--data", "/nonexistent.jsonl"], "not found"),
+    (["calibrate", "--data", "/nonexistent.jsonl"], "only with --task gsm8k"),
+    (["calibrate", "--task", "gsm8k", "--prompts", "p.txt"], "give one of them"),
+    (["pareto", "--humaneval", "0", "--gsm8k", "1", "--data", "/nonexistent.jsonl"], "not found"),
+    (["pareto", "--humaneval", "0", "--gsm8k", "1"], "no GSM8K data"),
+])
+def test_task_inputs_are_checked_before_the_model_loads(argv, message, tmp_path, monkeypatch, capsys):
+    """`river-hf eval --task gsm8k --data /nonexistent.jsonl` used to load the model and build the exit
+    layers (25 s) before saying the file was missing (issue 40)."""
+    from river_hf.eval import common
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(common, "load_river_model", no_model)
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, "--model", "smollm2-135m"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("river-hf: error:") and message in err[0], err

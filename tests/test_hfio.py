@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, pipeline
 
 from river_hf import RiverError, RiverForCausalLM
 
@@ -83,7 +83,7 @@ def test_missing_base_weights_is_one_clear_error(tiny_river_folder):
 
 
 @pytest.mark.parametrize("bad", [{"tau": "fast"}, {"min_layer": 0}, {"speed": 3}, {"backend": "int3"}])
-def test_invalid_river_settings_are_one_clear_error(tiny_river_folder, bad):
+def test_invalid_river_settings_are_one_clear_error(tiny_river_folder, bad, smollm2_path):
     path = tiny_river_folder / "config.json"
     cfg = json.loads(path.read_text())
     cfg["river"].update(bad)
@@ -92,6 +92,11 @@ def test_invalid_river_settings_are_one_clear_error(tiny_river_folder, bad):
         RiverForCausalLM.from_pretrained(str(tiny_river_folder), progress=False)
     with pytest.raises(RiverError, match="invalid River settings"):
         AutoModelForCausalLM.from_pretrained(tiny_river_folder, trust_remote_code=True)
+    # pipeline() tries config.architectures' plain class after a ValueError/OSError/...: a damaged
+    # River folder must not silently become the plain LlamaForCausalLM there (issue 40)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    with pytest.raises(RiverError, match="invalid River settings"):
+        pipeline("text-generation", model=str(tiny_river_folder), tokenizer=tok, trust_remote_code=True)
 
 
 def test_cli_convert_bad_input_exits_2_with_one_line(tmp_path):

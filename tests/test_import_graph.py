@@ -139,3 +139,13 @@ def test_find_cycle_names_a_cycle():
 def test_no_import_cycle_in_the_package():
     cycle = _find_cycle(GRAPH)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_dev_extras_bring_pytest_timeout():
+    """`pip install -e '.[dev]'` brings pytest-timeout, so a hung test can be cut off with
+    `pytest --timeout N` (issue 40)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    dev = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert any(req.split(">")[0].split("=")[0].strip() == "pytest-timeout" for req in dev), dev

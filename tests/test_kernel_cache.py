@@ -411,3 +411,23 @@ def test_dense_mode_choices_share_the_exit_kernels_cache_file(cache, monkeypatch
     assert code == 0 and "128x64 x8 rows float32 no bias: torch" in out
     by_rows = {e.get("rows", 1): e for e in read_cache(cache)[0].values()}
     assert by_rows[8]["kernel"] == "torch" and by_rows[4]["kernel"] == "torch" and by_rows[1]["kernel"] == "torch-int4"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_cache_and_settings_files_get_the_mode_of_other_files(tmp_path, umask):
+    """kernels.json and a RiverConfig.to_file are written through a temporary file (mkstemp: 0600);
+    the final file must get what an ordinary open gives under the umask, like every other cache
+    file (issue 40: kernels.json was 0600 beside 0644 model files)."""
+    import os
+    import stat
+
+    from river_hf import RiverConfig
+
+    old = os.umask(umask)
+    try:
+        update_cache(tmp_path / "kernels.json", {})
+        RiverConfig(tau=0.5).to_file(tmp_path / "river.json")
+    finally:
+        os.umask(old)
+    for name in ("kernels.json", "river.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name

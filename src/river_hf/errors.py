@@ -5,5 +5,13 @@ else is a bug and keeps its traceback.
 """
 
 
-class RiverError(ValueError):
-    """Bad input or a missing prerequisite. The message says what to do about it."""
+class RiverError(Exception):
+    """Bad input or a missing prerequisite. The message says what to do about it.
+
+    Deliberately **not** a ``ValueError`` (nor ``OSError``, ``TypeError``, ``RuntimeError``):
+    transformers takes those, raised by a model class's ``from_pretrained``, to mean "this class
+    does not fit, try the next one". ``pipeline(...)`` (``pipelines.base.load_model``) then loads
+    ``config.architectures[0]``, and ``transformers serve`` its plain class too, so a River folder
+    with broken River settings would silently become the plain model. A RiverError stops there,
+    as it does from ``AutoModelForCausalLM.from_pretrained``.
+    """

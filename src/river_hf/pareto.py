@@ -57,7 +57,8 @@ def register(subparsers) -> None:
                    help="comma list of exit strategies (default: all: %(default)s)")
     p.add_argument("--humaneval", type=int, default=10, metavar="N", help="first N HumanEval problems (default: %(default)s; 0: skip)")
     p.add_argument("--gsm8k", type=int, default=10, metavar="N", help="first N GSM8K test questions (default: %(default)s; 0: skip)")
-    p.add_argument("--data", default=None, help="GSM8K test file (JSON lines); default: ../shared/data/gsm8k/test.jsonl or the Hub")
+    p.add_argument("--data", default=None, help="GSM8K's test split as JSON lines, or a Hub id such as openai/gsm8k "
+                   "(needs the Hub) (default: $RIVER_HF_CACHE/data/gsm8k/test.jsonl)")
     p.add_argument("--max-new-tokens", type=positive_int, default=192, help="task generation budget (default: %(default)s)")
     p.add_argument("--allow-code-execution", action="store_true",
                    help="required for HumanEval: scoring runs model-written code")
@@ -255,6 +256,7 @@ def handler(args) -> int:
     from .bench import run_bench
     from .eval.common import (atomic_write, check_output_path, humaneval_problems, load_river_model, log, parse_taus,
                               river_overrides, versions, write_json)
+    from .eval.data import gsm8k_source
     from .eval.tasks import humaneval_prompt
     from .models import encode_prompt
     from .quant import machine_id
@@ -281,11 +283,21 @@ def handler(args) -> int:
     problems = humaneval_problems()
     if max(args.prompts, args.humaneval) > len(problems):
         raise RiverError(f"HumanEval has {len(problems)} problems; ask for at most that many")
+    if args.gsm8k:
+        args.data = gsm8k_source(args.data)  # checked before the model loads
+    elif args.data is not None:
+        raise RiverError("--data is GSM8K's test file; with --gsm8k 0 it is not read")
     progress = not args.no_progress
     partial_path = out.with_name(out.name + ".partial.json")
     partial = {}
     if args.resume and partial_path.is_file():
-        partial = json.loads(partial_path.read_text())
+        try:
+            partial = json.loads(partial_path.read_text())
+        except (OSError, ValueError) as e:
+            raise RiverError(f"--resume: cannot read {partial_path} ({type(e).__name__}); delete it to start "
+                             "over") from None
+        if not isinstance(partial, dict):
+            raise RiverError(f"--resume: {partial_path} is not a pareto partial file; delete it to start over")
         log(f"resuming: {len(partial)} accuracy points from {partial_path}")
 
     start = time.perf_counter()

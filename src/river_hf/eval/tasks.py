@@ -23,11 +23,12 @@ from ..errors import RiverError
 from . import metrics
 from .agreement import kv_cosine_similarity, next_token_agreement, reference_continuation
 from ..models import encode_prompt
-from .data import (GSM8K_DEFAULT_FILES, GSM8K_HUB, gsm8k_prompt, humaneval_completion, humaneval_problems,  # noqa: F401
-                   humaneval_prompt, load_gsm8k)
+from .data import (GSM8K_HUB, gsm8k_cache_file, gsm8k_prompt, gsm8k_source, humaneval_completion,  # noqa: F401
+                   humaneval_problems, humaneval_prompt, load_gsm8k)
 
 __all__ = [
-    "GSM8K_DEFAULT_FILES",
+    "gsm8k_cache_file",
+    "gsm8k_source",
     "load_gsm8k",
     "gsm8k_prompt",
     "humaneval_prompt",
@@ -114,7 +115,7 @@ def run_gsm8k(model, tokenizer, taus, *, limit=None, max_new_tokens=256, data=No
     per-τ dict has ``exact_match`` (fraction), ``n``, tokens/s, mean exit layer and ``samples``."""
     from tqdm.auto import tqdm
 
-    ds, source = load_gsm8k(data, limit)
+    ds, source = load_gsm8k(data, limit, progress=progress)
     metric = metrics.load("gsm8k_exact_match")
     results = []
     for tau in taus:

@@ -41,11 +41,12 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from ..files import atomic_write
 
 try:  # POSIX
     import fcntl
@@ -272,15 +273,8 @@ def update_cache(path: str | Path, updates: dict | None = None, remove=None) -> 
             for key in remove or ():
                 entries.pop(key, None)
         entries.update(updates or {})
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": FORMAT_VERSION, "entries": entries}, f, indent=2)
-                f.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # a temp file renamed into place, with the mode other cache files get under the umask
+        atomic_write(path, json.dumps({"format": FORMAT_VERSION, "entries": entries}, indent=2) + "\n")
     return entries
 
 

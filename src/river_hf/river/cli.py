@@ -89,17 +89,7 @@ def _say(progress: bool, msg: str) -> None:
 
 def run_generate(args) -> int:
     tau = _check_args(args)
-    if not args.no_progress:
-        return _generate(args, tau, progress=True)
-    from transformers.utils import logging as hf_logging
-
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # transformers' own bars (loading weights) too
-    try:
-        return _generate(args, tau, progress=False)
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
+    return _generate(args, tau, progress=not args.no_progress)  # transformers' own bars: cli.main
 
 
 def _generate(args, tau, *, progress: bool) -> int:

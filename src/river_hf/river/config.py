@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import RiverError
+from ..files import atomic_write
 from ..models import REGISTRY
 from ..quant import get_backend
 from .controllers import ExitRuleList, MinLayerRule, StateTransitionSimilarityRule, rules_from_config
@@ -285,19 +286,8 @@ class RiverConfig:
     def to_file(self, path) -> None:
         """Write these settings as a ``configs/``-style JSON file (the fields; the rule list only when
         ``rules`` is set), via a temporary file renamed into place."""
-        import os
-        import tempfile
-
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "rules" or v is not None}
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(d, indent=2) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, json.dumps(d, indent=2) + "\n")
 
     @classmethod
     def from_file(cls, path) -> RiverConfig:

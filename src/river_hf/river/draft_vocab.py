@@ -24,13 +24,13 @@ import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..errors import RiverError
+from ..files import atomic_write
 
 __all__ = ["CORPUS_BYTES", "token_counts", "frequent_token_ids", "FrequentVocabHead", "CallVocab", "draft_head_for"]
 
@@ -115,15 +115,7 @@ def token_counts(tokenizer, *, corpus_bytes: int = CORPUS_BYTES, cache: bool = T
         for ids in tokenizer(texts[start:start + 64], add_special_tokens=False)["input_ids"]:
             counts += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=size)[:size]
     if cache and corpus_bytes == CORPUS_BYTES:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"corpus_bytes": corpus_bytes, "files": len(texts), "counts": counts.tolist()}, f)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, json.dumps({"corpus_bytes": corpus_bytes, "files": len(texts), "counts": counts.tolist()}))
     return counts
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from .._lazy import lazy_exports
 from ..errors import RiverError
+from ..files import share_like_umask
 from ..models import REGISTRY
 from .arch import base_class, decoder_stack
 from .config import RiverConfig
@@ -453,12 +454,12 @@ def _replace_dir(new: Path, out: Path) -> None:
         RiverError: ``out`` exists and is not a folder.
     """
     if not out.exists():
-        _share_like_umask(new)
+        share_like_umask(new)
         os.replace(new, out)
         return
     if not out.is_dir():
         raise RiverError(f"{out} exists and is not a folder; choose another output path")
-    _share_like_umask(new)
+    share_like_umask(new)
     written = sorted(new.iterdir(), key=lambda f: (f.name == "config.json", not _is_base_weight_file(f.name)))
     names = {f.name for f in written}
     for f in out.iterdir():
@@ -467,15 +468,3 @@ def _replace_dir(new: Path, out: Path) -> None:
     for f in written:
         os.replace(f, out / f.name)
     new.rmdir()
-
-
-def _share_like_umask(folder: Path) -> None:
-    """Give ``folder`` (made by ``tempfile.mkdtemp``, mode 0700) and its files the modes of an
-    ordinary ``mkdir`` / ``open`` under the current umask, so a saved model is as readable as any
-    other file the user writes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for f in folder.iterdir():
-        if f.is_file():
-            f.chmod(0o666 & ~umask)
