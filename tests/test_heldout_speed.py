@@ -1,4 +1,4 @@
-"""benchmarks/heldout_speed.py: its EOS suppressor gives the same tokens as transformers'
+"""benchmarks/heldout_speed.py and its harness: the EOS suppressor gives the same tokens as transformers'
 min_new_tokens, on River's route and lossless modes too (so the timed methods stay comparable)."""
 
 from __future__ import annotations
@@ -9,20 +9,19 @@ from transformers import LogitsProcessorList
 
 from benchmark_scripts import load_benchmark
 from river_hf import enable_river
+from river_hf.bench_harness import SuppressIds, gguf_tensor_bytes
 from test_river_core import tiny_model
 
 
 def test_suppress_ids_fills_only_those_ids():
-    bench = load_benchmark("heldout_speed")
     scores = torch.randn(2, 10)
-    out = bench.SuppressIds([7, 3, 7])(None, scores.clone())
+    out = SuppressIds([7, 3, 7])(None, scores.clone())
     assert torch.isinf(out[:, [3, 7]]).all() and (out[:, [3, 7]] < 0).all()
     keep = [i for i in range(10) if i not in (3, 7)]
     assert torch.equal(out[:, keep], scores[:, keep])
 
 
 def test_suppress_ids_matches_min_new_tokens_on_every_mode():
-    bench = load_benchmark("heldout_speed")
     model = enable_river(tiny_model("llama"), tau=0.5, min_layer=1, backend="int4", progress=False)
     ids = torch.randint(3, 200, (1, 7))
     eos = [int(model.generation_config.eos_token_id or 2)]
@@ -32,7 +31,7 @@ def test_suppress_ids_matches_min_new_tokens_on_every_mode():
         for mode in ("backbone", "route", "lossless"):
             with model.river_mode(mode):
                 ref = model.generate(ids, min_new_tokens=12, **base)
-                got = model.generate(ids, logits_processor=LogitsProcessorList([bench.SuppressIds(eos)]), **base)
+                got = model.generate(ids, logits_processor=LogitsProcessorList([SuppressIds(eos)]), **base)
             assert torch.equal(ref, got), mode
             assert got.shape[1] == ids.shape[1] + 12
 
@@ -95,13 +94,12 @@ def test_onednn_methods_run_and_report_their_packed_copy(tiny_folder, tmp_path):
 
 
 def test_llama_cpp_step_bytes_count_one_embedding_row_when_the_head_is_separate(tmp_path):
-    """benchmarks/llama_cpp_run.gguf_tensor_bytes: a decode step reads one row of token_embd when
+    """river_hf.bench_harness.gguf_tensor_bytes (the llama.cpp method's step bytes): a decode step reads one row of token_embd when
     the GGUF has its own output.weight (the 0.5B Q4_K_M file's 93.6 MB table had been counted whole),
     and the whole table when it is the head (tied, no output.weight)."""
     import numpy as np
     from gguf import GGUFWriter
 
-    run = load_benchmark("llama_cpp_run")
     embd = np.ones((10, 4), np.float32)  # 10 rows of 4: 160 bytes, 16 a row
     layer = np.ones((3, 4), np.float32)  # 48 bytes
 
@@ -118,8 +116,8 @@ def test_llama_cpp_step_bytes_count_one_embedding_row_when_the_head_is_separate(
         w.close()
         return path
 
-    assert run.gguf_tensor_bytes(write("untied.gguf", True)) == 16 + 48 + 160
-    assert run.gguf_tensor_bytes(write("tied.gguf", False)) == 160 + 48
+    assert gguf_tensor_bytes(write("untied.gguf", True)) == 16 + 48 + 160
+    assert gguf_tensor_bytes(write("tied.gguf", False)) == 160 + 48
 
 
 def test_prompt_kernel_benchmark_compares_both_kernels_on_one_model(tiny_folder, tmp_path, monkeypatch):
