@@ -51,7 +51,7 @@ def test_bench_writes_rounds_and_step_kinds(tmp_path):
 
 
 def test_profile_splits_step_kinds(tmp_path):
-    prof = _script("diffusion_profile")
+    prof = _script("probes/diffusion_profile")
     out = tmp_path / "p.json"
     assert prof.main(["--size", "tiny", "--prompt-length", "8", "--gen-length", "16", "--head-rows", "4",
                       "--threads", "1", "--repeats", "1", "--out", str(out)]) == 0

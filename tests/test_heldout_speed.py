@@ -36,28 +36,6 @@ def test_suppress_ids_matches_min_new_tokens_on_every_mode():
             assert got.shape[1] == ids.shape[1] + 12
 
 
-def test_inference_mode_benchmark_runs_both_contexts_with_the_same_tokens(tiny_folder, tmp_path):
-    """benchmarks/inference_mode.py: every mode under no_grad and inference_mode, the same tokens,
-    one ratio per round; bad counts are an argparse error."""
-    import json
-
-    import pytest
-
-    bench = load_benchmark("inference_mode")
-    out = tmp_path / "im.json"
-    assert bench.main(["--model", tiny_folder, "--modes", "exit,lossless", "--new-tokens", "4", "--repeats", "2",
-                       "--backend", "torch-int4", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    for mode in ("exit", "lossless"):
-        r = report["modes"][mode]
-        assert r["identical_tokens"] is True
-        assert len(r["seconds"]["no_grad"]) == len(r["seconds"]["inference_mode"]) == 2
-        assert r["speedup"]["min"] <= r["speedup"]["median"] <= r["speedup"]["max"]
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--new-tokens", "1", "--out", str(out)])
-    assert e.value.code == 2
-
-
 def test_onednn_methods_are_refused_when_the_packed_copy_would_not_fit(tiny_folder, tmp_path, monkeypatch, capsys):
     """unmodified-onednn / river-onednn pack a second copy of the plain model's weights: the library's
     memory rule (at most PACK_MEMORY_SHARE of the available memory) refuses it with one argparse error,
@@ -121,7 +99,7 @@ def test_llama_cpp_step_bytes_count_one_embedding_row_when_the_head_is_separate(
 
 
 def test_prompt_kernel_benchmark_compares_both_kernels_on_one_model(tiny_folder, tmp_path, monkeypatch):
-    """benchmarks/prompt_kernel.py: with onnxruntime measured faster at 128 rows (scripted), the exit
+    """benchmarks/probes/prompt_kernel.py: with onnxruntime measured faster at 128 rows (scripted), the exit
     Linears get prompt kernels; both configurations are timed per prompt and round, the memory of the
     prompt kernels' copies is reported; a model without prompt kernels is an argparse error."""
     import json
@@ -138,7 +116,7 @@ def test_prompt_kernel_benchmark_compares_both_kernels_on_one_model(tiny_folder,
     us = {"torch-int4": 10.0, "ort-int4": 20.0}
     monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear, rows=1: {
         k.name: (us[k.name] if rows == 1 else 30.0 - us[k.name]) if k.name in us else 50.0 for k in candidates})
-    bench = load_benchmark("prompt_kernel")
+    bench = load_benchmark("probes/prompt_kernel")
     out = tmp_path / "pk.json"
     assert bench.main(["--model", tiny_folder, "--backend", "int4", "--problems", "100-101", "--rounds", "2",
                        "--check-tokens", "3", "--out", str(out)]) == 0
@@ -155,7 +133,7 @@ def test_prompt_kernel_benchmark_compares_both_kernels_on_one_model(tiny_folder,
 
 @pytest.mark.parametrize("problems", ["abc", "5-2", "100-999"])
 def test_prompt_kernel_benchmark_refuses_bad_problem_ranges(problems, tmp_path):
-    bench = load_benchmark("prompt_kernel")
+    bench = load_benchmark("probes/prompt_kernel")
     with pytest.raises(SystemExit) as e:
         bench.main(["--problems", problems, "--out", str(tmp_path / "x.json")])
     assert e.value.code == 2 and not (tmp_path / "x.json").exists()

@@ -71,31 +71,6 @@ def test_lossless_variants_name_their_settings():
         lossless_settings("lossless[draft_path]")
 
 
-def test_linear_kernels_bench_times_through_the_tuner(tmp_path, monkeypatch):
-    """benchmarks/linear_kernels.py uses the kernel tuner's own timing (streamed copies, alternating
-    rounds) and records the protocol; scripted here so the test times nothing."""
-    import json
-
-    from river_hf.quant import autotune
-
-    bench = load_benchmark("linear_kernels")
-    calls = []
-
-    def fake_measure(self, candidates, linear, rows=1):
-        calls.append((tuple(k.name for k in candidates), tuple(linear.weight.shape), linear.weight.dtype))
-        return {k.name: 10.0 + i for i, k in enumerate(candidates)}
-
-    monkeypatch.setattr(autotune.KernelTuner, "measure", fake_measure)
-    out = tmp_path / "lk.json"
-    assert bench.main(["--shapes", "256x512", "--rounds", "3", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    row = report["rows"][0]
-    assert calls[0][0][0] == "copy" and calls[0][1] == (512, 256) and calls[1] == (("copy",), (512, 256), torch.bfloat16)
-    assert row["fp32_us"] == 10.0 and set(row["kernels_us"]) == set(calls[0][0][1:]) == set(row["relative_error"])
-    assert all(0 < e < 0.2 for e in row["relative_error"].values())
-    assert "alternating rounds" in report["protocol"] and "--shapes 256x512" in report["command"]
-
-
 def test_plain_model_on_onednn_and_llama_cpp_methods(tiny_folder, tmp_path, capsys):
     """unmodified-onednn is timed like every method on the same token counts, on a copy the report
     names (lossless mode's own, shared, where it packed one); llama.cpp is refused with one argparse

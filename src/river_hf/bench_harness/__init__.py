@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from .generation import (EOS_SUPPRESSED, LOSSLESS_SETTINGS, SuppressIds, config_overrides, eos_ids, exact_generation,
                          json_or_text, lossless_settings, split_methods)
-from .kernel_modes import multi_row_kernel_hooks, plain_onednn_mode, prompt_kernels_off
+from .kernel_modes import all_modules, multi_row_kernel_hooks, plain_onednn_mode, prompt_kernels_off
 from .llama_cpp import LlamaCppRunner, available, gguf_tensor_bytes
 from .prompts import DATASETS, left_padded, parse_problems, parse_prompt_sets, prompt_texts
 
 __all__ = ["EOS_SUPPRESSED", "LOSSLESS_SETTINGS", "SuppressIds", "config_overrides", "eos_ids", "exact_generation",
            "json_or_text", "lossless_settings", "split_methods", "multi_row_kernel_hooks", "plain_onednn_mode",
-           "prompt_kernels_off", "LlamaCppRunner", "available", "gguf_tensor_bytes", "DATASETS", "left_padded",
+           "prompt_kernels_off", "all_modules", "LlamaCppRunner", "available", "gguf_tensor_bytes", "DATASETS", "left_padded",
            "parse_problems", "parse_prompt_sets", "prompt_texts"]

@@ -8,7 +8,15 @@ import contextlib
 
 import torch
 
-__all__ = ["plain_onednn_mode", "multi_row_kernel_hooks", "prompt_kernels_off"]
+__all__ = ["plain_onednn_mode", "multi_row_kernel_hooks", "prompt_kernels_off", "all_modules"]
+
+
+def all_modules(model) -> list:
+    """Every module of ``model``, a River model's exit copies included (``model.modules()`` gives
+    the architecture's modules only; ``river_hf.river.exit_modules`` the copies)."""
+    from ..river.layer import exit_modules
+
+    return [*model.modules(), *(m for _, m in exit_modules(model))]
 
 
 def plain_onednn_mode(river, plain, max_rows: int):
@@ -71,7 +79,7 @@ def prompt_kernels_off(model):
     Yields how many Linears it switched."""
     from ..quant.modules import PromptRowsLinear
 
-    wrapped = [m for m in model.modules() if isinstance(m, PromptRowsLinear)]
+    wrapped = [m for m in all_modules(model) if isinstance(m, PromptRowsLinear)]
     old = [m.min_rows for m in wrapped]
     for m in wrapped:
         m.min_rows = 1 << 62
