@@ -7,8 +7,12 @@ script imports another and no test imports a script's internals).
 - :mod:`.kernel_modes`: the plain model on prepacked oneDNN, the verify-kernel mode for multi-row
   forwards, prompt kernels bypassed;
 - :mod:`.llama_cpp`: llama.cpp on the same GGUF, timed like the transformers methods;
-- :mod:`.rounds`: rounds in alternating order, per-round speedups with their spread and verdict;
-- :mod:`.step_profile`: a decode step's wall time by category of module.
+- :mod:`.rounds`: rounds in alternating order, verdicts on a speedup's spread;
+- :mod:`.step_profile`: a decode step's wall time by category of module (``step_profile.py``);
+- :mod:`.stitch_report`: R-Stitch's per-round summary and report (``stitch_bench.py``);
+- :mod:`.diffusion_settings`: dLLM-Cache settings, their names and verdict lines (``diffusion_bench.py``).
+
+The last four are imported by their module path (``from river_hf.bench_harness.rounds import ...``).
 
 The timer itself (``compare``, ``spread``, tables, figures) is :mod:`river_hf.timing`.
 """
