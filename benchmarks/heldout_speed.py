@@ -59,6 +59,7 @@ import torch
 from river_hf.bench_harness import (EOS_SUPPRESSED, LlamaCppRunner, available, config_overrides, exact_generation,
                                     left_padded, parse_prompt_sets, plain_onednn_mode, prompt_kernels_off,
                                     prompt_texts)
+from river_hf.bench_harness.output import command_line, compare_protocol, write_report
 
 METHODS = ("unmodified", "river", "exit", "exit-noprompt", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16",
            "unmodified-onednn", "river-onednn", "llama.cpp")
@@ -106,7 +107,6 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from river_hf import RiverForCausalLM, plain_model
-    from river_hf.files import atomic_write, save_figure, write_json
     from river_hf.models import encode_prompt, gguf_file, is_key, resolve
     from river_hf.quant import linear_weight_bytes
     from river_hf.quant.autotune import load_average
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                          progress=True, reference_kind="plain transformers model in fp32 (river_hf.plain_model)")
     ref = tokens["unmodified"]
     report = {
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        "command": command_line(argv),
         "model": args.model, "set": args.set_name, "prompts": names, "new_tokens": args.new_tokens, "batch": args.batch,
         "greedy": True,
         "eos_suppressed": EOS_SUPPRESSED,
@@ -213,19 +213,13 @@ def main(argv=None) -> int:
         "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "gguf": llm.weight_bytes if llm else None},
         "onednn_packed_bytes": packed.packed_bytes if packed is not None else None, "onednn_copy": packed_note,
         "llama_cpp_version": llm.version if llm is not None else None,
-        "protocol": ("river_hf.timing.compare: one untimed warm-up of every method, then "
-                     f"{args.repeats} round(s) with the reference next to each method (R A R B ..., reversed every "
-                     "other round); speedups per neighbouring pair, median (min-max); every prompt exactly "
-                     f"{args.new_tokens} new tokens"),
+        "protocol": compare_protocol(args.repeats, args.new_tokens),
         "load_avg_1m_before": load_before, "load_avg_1m_after": load_average(),
         "comparison": comparison.to_dict(),
         "identical_to_fp32_reference": {m: sum(a == b for a, b in zip(tokens[m], ref)) for m in methods},
         "per_prompt_stats": stats, "tokens": tokens, "wall_seconds": time.time() - t0,
     }
-    write_json(args.out, report)
-    base = os.path.splitext(args.out)[0]
-    atomic_write(base + ".md", markdown(report))
-    save_figure(_figure(report), base + ".png")
+    write_report(args.out, report, markdown(report), _figure(report))
     print(markdown(report))
     return 0
 

@@ -58,8 +58,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
-import sys
 import time
 
 import torch
@@ -67,6 +65,7 @@ import torch
 from river_hf.bench_harness import (EOS_SUPPRESSED, LlamaCppRunner, available, exact_generation, lossless_settings,
                                     multi_row_kernel_hooks, parse_problems, parse_prompt_sets, plain_onednn_mode,
                                     prompt_texts, split_methods)
+from river_hf.bench_harness.output import command_line, compare_protocol, write_report
 
 METHODS = ("unmodified", "lossless", "lossless-exit", "lossless+lookup", "prompt-lookup", "early-exit", "assisted",
            "unmodified-onednn", "llama.cpp")
@@ -116,7 +115,6 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from river_hf import RiverForCausalLM, plain_model
-    from river_hf.files import atomic_write, save_figure, write_json
     from river_hf.models import encode_prompt, gguf_file, is_key, resolve
     from river_hf.quant import linear_weight_bytes
     from river_hf.river.arch import decoder_stack
@@ -274,7 +272,7 @@ def main(argv=None) -> int:
                      verify_cost_in_backbone_steps=(vs / verifies) / step_s if verifies else None)
         summary[m] = s
     report = {
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        "command": command_line(argv),
         "model": args.model, "assistant": args.assistant, "problems": names,
         "set": args.set_name, "lossless_settings": {m: v for m, v in variants.items() if v is not None},
         "new_tokens": args.new_tokens, "greedy": True, "eos_suppressed": EOS_SUPPRESSED, "num_layers": len(layers),
@@ -283,17 +281,11 @@ def main(argv=None) -> int:
         "onednn_copy": onednn_note, "llama_cpp_version": llm.version if llm is not None else None,
         "gguf_weight_bytes": llm.weight_bytes if llm is not None else None,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "full_weight_bytes": full_bytes,
-        "protocol": ("river_hf.timing.compare: one untimed warm-up of every method, then "
-                     f"{args.repeats} rounds with the reference next to each method (R A R B ..., reversed every "
-                     "other round); speedups per neighbouring pair, median (min-max); every prompt exactly "
-                     f"{args.new_tokens} new tokens"),
+        "protocol": compare_protocol(args.repeats, args.new_tokens),
         "comparison": comparison.to_dict(), "summary": summary, "tokens": tokens, "per_prompt_stats": last,
         "wall_seconds": time.time() - t0,
     }
-    write_json(args.out, report)
-    base = os.path.splitext(args.out)[0]
-    atomic_write(base + ".md", markdown(report))
-    save_figure(_figure(report), base + ".png")
+    write_report(args.out, report, markdown(report), _figure(report))
     print(comparison.table())
     print(markdown(report))
     return 0
