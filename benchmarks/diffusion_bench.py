@@ -50,36 +50,13 @@ import time
 
 import torch
 
+from river_hf.bench_harness.diffusion_settings import parse_settings, report_line, setting_name
+from river_hf.bench_harness.rounds import range_verdict as verdict
 from river_hf.diffusion.cli import SMALL_BATCH_LINEAR
 from river_hf.eval.common import atomic_write
 from river_hf.timing import Measurement, compare, memory_bandwidth_gb_s, spread
 
 DEFAULT_SETTINGS = "50,7,0.25;100,8,0.1;25,5,0.25"
-
-
-def parse_settings(text: str, kernel: str = "auto") -> list[tuple[int, int, float, str]]:
-    """``"Kp,Kr,rho[,auto|on|off];..."`` -> ``[(Kp, Kr, rho, small_batch_linear), ...]``; a setting
-    without the fourth field takes ``kernel`` (``--small-batch-linear``)."""
-    out = []
-    for part in text.split(";"):
-        fields = part.split(",")
-        kp, kr, rho = fields[:3]
-        sbl = fields[3] if len(fields) > 3 else kernel
-        if sbl not in SMALL_BATCH_LINEAR or len(fields) > 4:
-            raise SystemExit(f"bad setting {part!r}: use Kp,Kr,rho or Kp,Kr,rho,auto|on|off")
-        out.append((int(kp), int(kr), float(rho), sbl))
-    return out
-
-
-def setting_name(s: tuple | None, kernel: str = "auto") -> str:
-    if s is None:
-        return "uncached"
-    return f"Kp={s[0]},Kr={s[1]},rho={s[2]}" + ("" if s[3] == kernel else f",small-batch {s[3]}")
-
-
-def verdict(lo: float, hi: float, threshold: float) -> str:
-    """``"yes"`` when the whole range is >= threshold, ``"no"`` when below, else ``"not resolved"``."""
-    return "yes" if lo >= threshold else "no" if hi < threshold else "not resolved"
 
 
 TIMING_PROTOCOL = {
@@ -179,24 +156,6 @@ def summarize(runs: dict[str, list[dict]], outs: dict[str, torch.Tensor], args, 
 
 def size_text(params: int) -> str:
     return f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.1f}M"
-
-
-def report_line(r: dict, target: float) -> str:
-    s = r["seconds"]
-    line = f"{r['name']}: {s['median']:.4g} s median [{s['min']:.4g}-{s['max']:.4g}] over {r['repeats']} rounds"
-    if r["name"] == "uncached":
-        return line
-    lo, hi = r["speedup_range"]
-
-    def word(v):
-        return "not resolved (spreads overlap)" if v == "not resolved" else v
-
-    return (f"{line}, speedup {r['speedup']:.2f}x [{lo:.2f}-{hi:.2f}], whole-model FLOPs ratio "
-            f"{r['model_flops_ratio']:.2f}x (overhead share {r['model_overhead_share']:.2f}), layer-FLOPs ratio "
-            f"{r['flops_ratio']:.2f}x (overhead share {r['overhead_share']:.2f}); faster than uncached: "
-            f"{word(r['faster_than_uncached'])}; >= {target:g}x: {word(r['meets_target'])}; >= share of whole-model "
-            f"FLOPs ratio: {word(r['meets_model_flops_share'])}; >= share of layer-FLOPs ratio: "
-            f"{word(r['meets_flops_share'])}")
 
 
 def write_results(args, model, rows, info, timer: dict | None = None) -> None:

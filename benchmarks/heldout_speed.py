@@ -14,7 +14,7 @@ each (every row exactly ``--new-tokens``; tokens/s count every row's tokens). Me
 - ``unmodified-bf16``, ``river-bf16``, ``exit-bf16``: the same with the backbone loaded in bf16
   (a second load; the exit layers' kernels are chosen for bf16 inputs);
 - ``unmodified-onednn``: the plain fp32 model with every Linear call (one row included) on oneDNN
-  over weights packed once (``lossless_bench.plain_onednn_mode``: a view of the copy River's lossless
+  over weights packed once (``river_hf.bench_harness.plain_onednn_mode``: a view of the copy River's lossless
   mode packs for its verifies, where it packs one, else a second copy of the weights in memory): the plain model on torch's other fp32 kernel, where MKL's one-row product is
   slow (the 2-core AMD EPYC machine), so the speedups can be read against the faster fp32 baseline;
 - ``river-onednn``: River (route mode) with its backbone Linears' calls on that same packed copy (the
@@ -29,18 +29,15 @@ each (every row exactly ``--new-tokens``; tokens/s count every row's tokens). Me
   when ``llama_cpp`` imports (it builds from its PyPI sdist; not a dependency of river-hf).
 
 EOS suppression: every transformers method gets one ``LogitsProcessor`` that sets the EOS logits
-to -inf by index (:class:`SuppressIds`), llama.cpp the same through its ``logits_processor``.
-transformers' own ``min_new_tokens`` processor builds a vocabulary-sized ``arange`` and an
-``isin`` at every step (about 0.7 ms per step on the 2-core machine, measured with the torch
-profiler), a fixed cost that would shrink every faster method's ratio; neither suppressor changes
-any token other than EOS.
+to -inf by index (``river_hf.bench_harness.SuppressIds``, which says why not ``min_new_tokens``),
+llama.cpp the same through its ``logits_processor``.
 
 Timing is ``river_hf.timing.compare``: one untimed warm-up of every method, then ``--repeats``
 rounds in which the reference runs next to each method (R A R B ..., reversed every other round);
 end-to-end tokens/s (prompt included) and decode-only tokens/s, median (min-max), speedups per
 neighbouring pair. Weight bytes per decode step: the Linear weights a step reads (River: its
 ``river_stats``; llama.cpp: the GGUF's tensor data less the token-embedding table's rows a step does
-not read, ``llama_cpp_run.gguf_tensor_bytes``), and
+not read, ``river_hf.bench_harness.gguf_tensor_bytes``), and
 the achieved GB/s as a share of this machine's STREAM triad. Per method the JSON also has its
 tokens and whether each completion equals the fp32 reference's. JSON + Markdown + PNG.
 
@@ -53,66 +50,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 import time
 
 import torch
 
+from river_hf.bench_harness import (EOS_SUPPRESSED, LlamaCppRunner, available, config_overrides, exact_generation,
+                                    left_padded, parse_prompt_sets, plain_onednn_mode, prompt_kernels_off,
+                                    prompt_texts)
+from river_hf.bench_harness.output import command_line, compare_protocol, write_report
+
 METHODS = ("unmodified", "river", "exit", "exit-noprompt", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16",
            "unmodified-onednn", "river-onednn", "llama.cpp")
-
-
-@contextlib.contextmanager
-def prompt_kernels_off(model):
-    """Within the block, every exit Linear with a prompt kernel (``PromptRowsLinear``) sends all
-    calls to its one-row kernel: the model as built without ``prompt_kernel``, same weights."""
-    from river_hf.quant.modules import PromptRowsLinear
-    from river_hf.river import exit_modules
-
-    wrapped = [m for _, m in exit_modules(model) if isinstance(m, PromptRowsLinear)]
-    old = [m.min_rows for m in wrapped]
-    for m in wrapped:
-        m.min_rows = 1 << 62
-    try:
-        yield len(wrapped)
-    finally:
-        for m, rows in zip(wrapped, old):
-            m.min_rows = rows
-
-
-class SuppressIds:
-    """A transformers ``LogitsProcessor``: ``scores[:, ids] = -inf`` (one indexed fill per step).
-
-    ``__call__(input_ids [batch, seq] int64, scores [batch, vocab] float) -> scores`` (modified in place)."""
-
-    def __init__(self, ids):
-        self.ids = torch.tensor(sorted(set(ids)), dtype=torch.long)
-
-    def __call__(self, input_ids, scores):
-        return scores.index_fill_(1, self.ids, float("-inf"))
-
-
-def eos_ids(tokenizer, model) -> list[int]:
-    """Every EOS id the tokenizer or the model's generation config names."""
-    ids = set()
-    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-    return sorted(ids)
-
-
-def _left_padded(rows: list, pad: int) -> tuple:
-    """``(input_ids, attention_mask)``, ``LongTensor [len(rows), longest]`` each: the ``[1, n]``
-    prompts of ``rows`` left-padded with ``pad`` (mask 0 there), as generate expects a batch."""
-    longest = max(r.shape[1] for r in rows)
-    ids = torch.full((len(rows), longest), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, longest - r.shape[1]:] = r[0]
-        mask[i, longest - r.shape[1]:] = 1
-    return ids, mask
 
 
 def main(argv=None) -> int:
@@ -132,9 +82,6 @@ def main(argv=None) -> int:
                     help="a RiverConfig field for every River model (JSON value), e.g. fuse_projections=true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from lossless_bench import parse_prompt_sets, plain_onednn_mode  # noqa: E402 - the sibling benchmark's helpers
-    from llama_cpp_run import LlamaCppRunner, available  # noqa: E402 - the sibling llama.cpp runner
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -152,32 +99,19 @@ def main(argv=None) -> int:
         if args.methods:
             ap.error("llama.cpp runs batch 1 only: leave it out of --methods with --batch > 1")
         methods.remove("llama.cpp")
-    from river_hf.errors import RiverError
-    from river_hf.river.config import RiverConfig
+    try:
+        overrides = config_overrides(args.set)
+    except ValueError as e:
+        ap.error(str(e))
 
-    fields = {f.name for f in dataclasses.fields(RiverConfig)}
-    overrides = {}
-    for item in args.set:
-        key, eq, value = item.partition("=")
-        if not eq:
-            ap.error(f"--set {item!r}: expected KEY=VALUE")
-        if key not in fields:
-            ap.error(f"--set {item!r}: {key!r} is not a RiverConfig field ({', '.join(sorted(fields))})")
-        try:
-            overrides[key] = json.loads(value)
-        except ValueError:
-            overrides[key] = value
-
-    from transformers import AutoTokenizer, LogitsProcessorList
+    from transformers import AutoTokenizer
 
     from river_hf import RiverForCausalLM, plain_model
-    from river_hf.eval.common import atomic_write, humaneval_problems, save_figure, write_json
-    from river_hf.eval.data import gsm8k_prompt, humaneval_prompt, load_gsm8k
     from river_hf.models import encode_prompt, gguf_file, is_key, resolve
     from river_hf.quant import linear_weight_bytes
     from river_hf.quant.autotune import load_average
     from river_hf.river.config import default_config
-    from river_hf.timing import Measurement, TokenTimer, compare
+    from river_hf.timing import TokenTimer, compare
 
     if "llama.cpp" in methods and not is_key(args.model):
         ap.error("llama.cpp needs a model key (its GGUF): " + args.model)
@@ -187,22 +121,9 @@ def main(argv=None) -> int:
         print(f"heldout_speed: warning: the 1-minute load average is {load_before:.1f} on {os.cpu_count()} cores; "
               "other work is running and the timings will mean little", file=sys.stderr)
     try:
-        wanted = parse_prompt_sets(args.prompts)
+        names, texts = prompt_texts(parse_prompt_sets(args.prompts), args.gsm8k_data)
     except ValueError as e:
         ap.error(str(e))
-    every = {"humaneval": humaneval_problems()}
-    if any(d == "gsm8k" for d, _ in wanted):
-        try:
-            every["gsm8k"] = list(load_gsm8k(args.gsm8k_data)[0])
-        except RiverError as e:
-            ap.error(f"--gsm8k-data: {e}")
-    names, texts = [], []
-    for dataset, i in wanted:
-        if not 0 <= i < len(every[dataset]):
-            ap.error(f"--prompts: {dataset} indices must lie in 0..{len(every[dataset]) - 1}")
-        item = every[dataset][i]
-        names.append(item["task_id"] if dataset == "humaneval" else f"gsm8k/{i}")
-        texts.append(humaneval_prompt(item) if dataset == "humaneval" else gsm8k_prompt(item["question"]))
 
     def load(dtype):
         kwargs = {"river_config": dataclasses.replace(default_config(args.model), **overrides)} if overrides else {}
@@ -219,12 +140,9 @@ def main(argv=None) -> int:
     prompts = [encode_prompt(tok, text)["input_ids"] for text in texts]
     if len(prompts) % args.batch:
         ap.error(f"--prompts: {len(prompts)} prompts do not split into batches of {args.batch}")
-    batches = [_left_padded(prompts[i:i + args.batch], tok.pad_token_id if tok.pad_token_id is not None else 0)
+    batches = [left_padded(prompts[i:i + args.batch], tok.pad_token_id if tok.pad_token_id is not None else 0)
                for i in range(0, len(prompts), args.batch)]
-    eos = eos_ids(tok, river)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    gen = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad,
-               logits_processor=LogitsProcessorList([SuppressIds(eos)]))
+    gen, eos = exact_generation(tok, river, args.new_tokens)
     full_bytes = {torch.float32: linear_weight_bytes(plain)}
     if plain16 is not None:
         full_bytes[torch.bfloat16] = linear_weight_bytes(plain16)
@@ -284,10 +202,10 @@ def main(argv=None) -> int:
                          progress=True, reference_kind="plain transformers model in fp32 (river_hf.plain_model)")
     ref = tokens["unmodified"]
     report = {
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        "command": command_line(argv),
         "model": args.model, "set": args.set_name, "prompts": names, "new_tokens": args.new_tokens, "batch": args.batch,
         "greedy": True,
-        "eos_suppressed": "one index fill of the EOS logits per step (SuppressIds / llama.cpp logits_processor)",
+        "eos_suppressed": EOS_SUPPRESSED,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count(),
         "river_config": river.river_config.to_dict(), "overrides": overrides,
         "kernel_choice": river.river_config.kernel_choice,
@@ -295,19 +213,13 @@ def main(argv=None) -> int:
         "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "gguf": llm.weight_bytes if llm else None},
         "onednn_packed_bytes": packed.packed_bytes if packed is not None else None, "onednn_copy": packed_note,
         "llama_cpp_version": llm.version if llm is not None else None,
-        "protocol": ("river_hf.timing.compare: one untimed warm-up of every method, then "
-                     f"{args.repeats} round(s) with the reference next to each method (R A R B ..., reversed every "
-                     "other round); speedups per neighbouring pair, median (min-max); every prompt exactly "
-                     f"{args.new_tokens} new tokens"),
+        "protocol": compare_protocol(args.repeats, args.new_tokens),
         "load_avg_1m_before": load_before, "load_avg_1m_after": load_average(),
         "comparison": comparison.to_dict(),
         "identical_to_fp32_reference": {m: sum(a == b for a, b in zip(tokens[m], ref)) for m in methods},
         "per_prompt_stats": stats, "tokens": tokens, "wall_seconds": time.time() - t0,
     }
-    write_json(args.out, report)
-    base = os.path.splitext(args.out)[0]
-    atomic_write(base + ".md", markdown(report))
-    save_figure(_figure(report), base + ".png")
+    write_report(args.out, report, markdown(report), _figure(report))
     print(markdown(report))
     return 0
 

@@ -2,7 +2,7 @@
 
 One process, one model load. Every method decodes the same HumanEval prompts (``--problems``,
 e.g. ``100-102``: HumanEval's own order), greedy, exactly ``--new-tokens`` new tokens each (EOS
-suppressed with ``min_new_tokens``), so every method generates the same number of tokens and, being
+suppressed by index, ``river_hf.bench_harness.SuppressIds``, as in heldout_speed.py), so every method generates the same number of tokens and, being
 lossless, the same tokens as the reference. Timing is ``river_hf.timing.compare``: one untimed
 warm-up of every method, then ``--repeats`` rounds in which the reference runs next to each method
 (R A R B ..., order reversed every other round); each speedup is a method's decode tokens/s over
@@ -24,11 +24,11 @@ its neighbouring reference run, reported as median (min-max) with a verdict, end
   exit path leaves the backbone most often (measured on the first prompt);
 - ``assisted``: transformers' assisted generation on the plain model with ``--assistant`` drafting;
 - ``unmodified-onednn``: the plain model with every Linear call, one row included, on prepacked
-  oneDNN (:func:`plain_onednn_mode`: a view of lossless mode's own verify copy, no memory added):
+  oneDNN (``river_hf.bench_harness.plain_onednn_mode``: a view of lossless mode's own verify copy, no memory added):
   the faster fp32 reference where MKL's one-row product is slow (the 2-core AMD EPYC machine), so
   lossless mode's speedup can be read against both;
 - ``llama.cpp``: llama-cpp-python on the very GGUF the fp32 checkpoint was dequantized from, the same
-  prompt ids and token counts (``llama_cpp_run.LlamaCppRunner``; only when ``llama_cpp`` imports: it
+  prompt ids and token counts (``river_hf.bench_harness.LlamaCppRunner``; only when ``llama_cpp`` imports: it
   builds from its PyPI sdist and is not a river-hf dependency).
 
 The same kernel treatment for every method: every multi-row forward of the main model's
@@ -58,73 +58,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import os
-import statistics
-import sys
 import time
 
 import torch
 
+from river_hf.bench_harness import (EOS_SUPPRESSED, LlamaCppRunner, available, exact_generation, lossless_settings,
+                                    multi_row_kernel_hooks, parse_problems, parse_prompt_sets, plain_onednn_mode,
+                                    prompt_texts, split_methods)
+from river_hf.bench_harness.output import command_line, compare_protocol, write_report
+
 METHODS = ("unmodified", "lossless", "lossless-exit", "lossless+lookup", "prompt-lookup", "early-exit", "assisted",
            "unmodified-onednn", "llama.cpp")
-#: the RiverConfig fields each named lossless method replaces (``lossless[...]`` gives its own)
-LOSSLESS_SETTINGS = {"lossless": {}, "lossless-exit": {"prompt_lookup_tokens": 0},
-                     "lossless+lookup": {"prompt_lookup_tokens": 10, "prompt_lookup_rule": "always"}}
-
-
-def split_methods(text: str) -> list[str]:
-    """``"unmodified,lossless[a=1;b=2],x"`` -> the method names (commas inside brackets kept)."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
-
-
-def lossless_settings(method: str) -> dict | None:
-    """The RiverConfig fields ``method`` replaces (a lossless method), or None (not a lossless method).
-
-    Raises:
-        ValueError: a malformed ``lossless[...]`` item."""
-    if method in LOSSLESS_SETTINGS:
-        return dict(LOSSLESS_SETTINGS[method])
-    if not (method.startswith("lossless[") and method.endswith("]")):
-        return None
-    out = {}
-    for item in filter(None, method[len("lossless["):-1].split(";")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"{method}: {item!r} is not KEY=VALUE")
-        try:
-            out[key.strip()] = json.loads(value)
-        except ValueError:
-            out[key.strip()] = value.strip()
-    return out
-
-
-def parse_prompt_sets(text: str) -> list[tuple[str, int]]:
-    """``"humaneval:100-102,gsm8k:5"`` -> ``[("humaneval", 100), ..., ("gsm8k", 5)]``.
-
-    Raises:
-        ValueError: an unknown dataset or a malformed range."""
-    out: list[tuple[str, int]] = []
-    dataset = None
-    for item in text.split(","):
-        part = item
-        if ":" in part:
-            dataset, _, part = part.partition(":")
-        if dataset not in ("humaneval", "gsm8k"):
-            raise ValueError(f"--prompts: each range needs humaneval: or gsm8k: in front, got {item!r}")
-        out.extend((dataset, i) for i in parse_problems(part))
-    return out
 
 
 class _CountingDrafter:
@@ -150,71 +94,6 @@ class _CountingDrafter:
         return self.inner.update_candidate_strategy(input_ids, scores, num_matches)
 
 
-def multi_row_kernel_hooks(model, mode) -> list:
-    """Forward hooks on ``model`` that run each forward of more than one input token inside the
-    ``TorchFunctionMode`` ``mode`` (and nothing else); returns the handles to remove."""
-    entered: list = []
-
-    def enter(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        use = ids is not None and ids.dim() >= 2 and ids.shape[1] > 1
-        if use:
-            mode.__enter__()
-        entered.append(use)
-
-    def leave(module, args, kwargs, output=None):
-        if entered.pop():
-            mode.__exit__(None, None, None)
-
-    return [model.register_forward_pre_hook(enter, with_kwargs=True),
-            model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
-
-
-def plain_onednn_mode(river, plain, max_rows: int):
-    """The ``TorchFunctionMode`` that runs every fp32 Linear call of ``plain`` (one row included, up to
-    ``max_rows`` rows) on prepacked oneDNN, and a note saying which copy it uses.
-
-    Where River's lossless mode packed its backbone for verifies (``river_hf.river.lossless.verify_mode``,
-    which ``plain`` shares tensors with), this is a view of that copy
-    (:meth:`~river_hf.quant.dense.PrepackedLinear.with_rows`, no memory added); otherwise a new copy of
-    the plain model's Linears, under the library's memory rule (at most ``PACK_MEMORY_SHARE`` of the
-    memory available).
-
-    Raises:
-        ValueError: no copy exists and a new one would not fit (or this torch has no oneDNN)."""
-    from river_hf.quant.dense import PrepackedLinear, onednn_available
-    from river_hf.river.lossless import PACK_MEMORY_SHARE, available_memory_bytes, verify_mode
-
-    config = river.river_config
-    mode, _ = verify_mode(river, config.verify_kernel, config.max_draft_tokens + 1)
-    if isinstance(mode, PrepackedLinear):
-        return mode.with_rows(min_rows=1, max_rows=max_rows), "lossless mode's verify copy, shared"
-    if not onednn_available():
-        raise ValueError("this torch build has no oneDNN")
-    linears = [m for m in plain.modules() if isinstance(m, torch.nn.Linear)]
-    need, available = sum(m.weight.numel() * m.weight.element_size() for m in linears), available_memory_bytes()
-    if available is None or need > PACK_MEMORY_SHARE * available:
-        have = "unknown" if available is None else f"{available / 1e9:.1f} GB"
-        raise ValueError(f"the packed copy of the plain model's Linears needs {need / 1e9:.2f} GB, more than "
-                         f"{PACK_MEMORY_SHARE:.0%} of the memory available ({have})")
-    return PrepackedLinear(linears, max_rows=max_rows, min_rows=1), "its own copy"
-
-
-def _as_list(value) -> list:
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
-
-
-def parse_problems(text: str) -> list[int]:
-    """``"100-102"`` or ``"0,5,7"`` or ``"3-5,9"`` -> HumanEval indices."""
-    out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -236,16 +115,11 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from river_hf import RiverForCausalLM, plain_model
-    from river_hf.eval.common import atomic_write, humaneval_problems, save_figure, write_json
-    from river_hf.eval.data import gsm8k_prompt, humaneval_prompt, load_gsm8k
     from river_hf.models import encode_prompt, gguf_file, is_key, resolve
     from river_hf.quant import linear_weight_bytes
     from river_hf.river.arch import decoder_stack
     from river_hf.river.lossless import verify_mode
     from river_hf.timing import TokenTimer, compare
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from llama_cpp_run import LlamaCppRunner, available  # noqa: E402 - the sibling llama.cpp runner
 
     methods = split_methods(args.methods) if args.methods else [
         m for m in METHODS if (m != "assisted" or args.assistant) and (m != "llama.cpp" or available())]
@@ -280,21 +154,11 @@ def main(argv=None) -> int:
         ap.error("give --prompts or --problems, not both")
     try:
         wanted = parse_prompt_sets(args.prompts) if args.prompts else [("humaneval", i) for i in parse_problems(args.problems or "100-102")]
+        names, texts = prompt_texts(wanted, args.gsm8k_data)
     except ValueError as e:
         ap.error(str(e))
-    every = {"humaneval": humaneval_problems()}
-    if any(d == "gsm8k" for d, _ in wanted):
-        every["gsm8k"] = list(load_gsm8k(args.gsm8k_data)[0])
-    problems, texts = [], []
-    for dataset, i in wanted:
-        if not 0 <= i < len(every[dataset]):
-            ap.error(f"--prompts: {dataset} indices must lie in 0..{len(every[dataset]) - 1}")
-        item = every[dataset][i]
-        problems.append({"task_id": item["task_id"] if dataset == "humaneval" else f"gsm8k/{i}"})
-        texts.append(humaneval_prompt(item) if dataset == "humaneval" else gsm8k_prompt(item["question"]))
     prompts = [encode_prompt(tok, text)["input_ids"] for text in texts]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad)
+    gen, eos = exact_generation(tok, river, args.new_tokens)
 
     _, layers = decoder_stack(river)
     layer_bytes = [linear_weight_bytes(layer.backbone) for layer in layers]
@@ -303,7 +167,7 @@ def main(argv=None) -> int:
 
     # the layer River's exit path leaves the backbone at most often (route mode, first prompt)
     with torch.no_grad(), river.river_mode("route"):
-        river.generate(prompts[0], **{**gen, "max_new_tokens": 64, "min_new_tokens": 0})
+        river.generate(prompts[0], **{**gen, "max_new_tokens": 64, "logits_processor": None})  # EOS allowed
     counts = river.river_stats["exit_layer_counts"]
     early_exit_layer = max(1, max(range(len(counts) - 1), key=lambda k: counts[k]) if sum(counts[:-1]) else len(counts) // 2)
 
@@ -318,9 +182,8 @@ def main(argv=None) -> int:
             ap.error(f"unmodified-onednn: {e}; leave it out")
     llm = None
     if "llama.cpp" in methods:
-        eos = {tok.eos_token_id} | set(_as_list(river.generation_config.eos_token_id))
         llm = LlamaCppRunner(path, n_ctx=max(p.shape[1] for p in prompts) + args.new_tokens + 8,
-                             threads=torch.get_num_threads(), eos=eos - {None}, new_tokens=args.new_tokens)
+                             threads=torch.get_num_threads(), eos=eos, new_tokens=args.new_tokens)
 
     tokens: dict[str, list[list[int]]] = {}
     last: dict[str, list[dict]] = {}
@@ -409,26 +272,20 @@ def main(argv=None) -> int:
                      verify_cost_in_backbone_steps=(vs / verifies) / step_s if verifies else None)
         summary[m] = s
     report = {
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-        "model": args.model, "assistant": args.assistant, "problems": [p["task_id"] for p in problems],
+        "command": command_line(argv),
+        "model": args.model, "assistant": args.assistant, "problems": names,
         "set": args.set_name, "lossless_settings": {m: v for m, v in variants.items() if v is not None},
-        "new_tokens": args.new_tokens, "greedy": True, "eos_suppressed": True, "num_layers": len(layers),
+        "new_tokens": args.new_tokens, "greedy": True, "eos_suppressed": EOS_SUPPRESSED, "num_layers": len(layers),
         "river_config": config.to_dict(), "early_exit_layer": early_exit_layer,
         "verify_kernel": kernel_info, "baseline_verify_kernel": "same as River's" if baseline_kernel else "torch",
         "onednn_copy": onednn_note, "llama_cpp_version": llm.version if llm is not None else None,
         "gguf_weight_bytes": llm.weight_bytes if llm is not None else None,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "full_weight_bytes": full_bytes,
-        "protocol": ("river_hf.timing.compare: one untimed warm-up of every method, then "
-                     f"{args.repeats} rounds with the reference next to each method (R A R B ..., reversed every "
-                     "other round); speedups per neighbouring pair, median (min-max); every prompt exactly "
-                     f"{args.new_tokens} new tokens"),
+        "protocol": compare_protocol(args.repeats, args.new_tokens),
         "comparison": comparison.to_dict(), "summary": summary, "tokens": tokens, "per_prompt_stats": last,
         "wall_seconds": time.time() - t0,
     }
-    write_json(args.out, report)
-    base = os.path.splitext(args.out)[0]
-    atomic_write(base + ".md", markdown(report))
-    save_figure(_figure(report), base + ".png")
+    write_report(args.out, report, markdown(report), _figure(report))
     print(comparison.table())
     print(markdown(report))
     return 0
@@ -444,7 +301,7 @@ def markdown(report: dict) -> str:
     triad = comp["stream_triad_gb_s"]
     lines = [f"`{report['command']}`", "",
              f"{report['model']}, {report.get('set', 'held-out')} set: {', '.join(report['problems'])} ({n} prompts), greedy, "
-             f"exactly {report['new_tokens']} new tokens each (EOS suppressed); reference: {comp['reference_kind']}; "
+             f"exactly {report['new_tokens']} new tokens each ({report['eos_suppressed']}); reference: {comp['reference_kind']}; "
              f"verify kernel {kinfo['kernel']} ({kinfo['why']}; baselines: {report['baseline_verify_kernel']}); "
              f"early exit at layer {report['early_exit_layer']} of {report['num_layers']}; {report['protocol']}; "
              f"{report['threads']} threads; STREAM triad {triad or float('nan'):.1f} GB/s."

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from benchmark_scripts import load_benchmark
+from river_hf.bench_harness.diffusion_settings import parse_settings, report_line, setting_name
 
 
 
@@ -25,12 +26,11 @@ def _script(name):
 
 
 def test_bench_settings_parse_and_name():
-    bench = _script("diffusion_bench")
-    assert bench.parse_settings("50,7,0.25;50,7,0.25,off") == [(50, 7, 0.25, "auto"), (50, 7, 0.25, "off")]
-    assert bench.setting_name((50, 7, 0.25, "off")) == "Kp=50,Kr=7,rho=0.25,small-batch off"
-    assert bench.setting_name((50, 7, 0.25, "auto")) == "Kp=50,Kr=7,rho=0.25"
+    assert parse_settings("50,7,0.25;50,7,0.25,off") == [(50, 7, 0.25, "auto"), (50, 7, 0.25, "off")]
+    assert setting_name((50, 7, 0.25, "off")) == "Kp=50,Kr=7,rho=0.25,small-batch off"
+    assert setting_name((50, 7, 0.25, "auto")) == "Kp=50,Kr=7,rho=0.25"
     with pytest.raises(SystemExit):
-        bench.parse_settings("50,7,0.25,maybe")
+        parse_settings("50,7,0.25,maybe")
 
 
 def test_bench_writes_rounds_and_step_kinds(tmp_path):
@@ -51,7 +51,7 @@ def test_bench_writes_rounds_and_step_kinds(tmp_path):
 
 
 def test_profile_splits_step_kinds(tmp_path):
-    prof = _script("diffusion_profile")
+    prof = _script("probes/diffusion_profile")
     out = tmp_path / "p.json"
     assert prof.main(["--size", "tiny", "--prompt-length", "8", "--gen-length", "16", "--head-rows", "4",
                       "--threads", "1", "--repeats", "1", "--out", str(out)]) == 0
@@ -129,5 +129,5 @@ def test_bench_whole_model_flops_ratio_matches_hand_count(tmp_path):
     assert "--settings 3,2,0.25" in doc["command"]
     md = out.with_suffix(".md").read_text()
     assert "whole-model FLOPs ratio" in md and f"| {run['model_flops_ratio']:.2f}x (" in md
-    line = bench.report_line(run, 4.0)
+    line = report_line(run, 4.0)
     assert f"whole-model FLOPs ratio {run['model_flops_ratio']:.2f}x" in line and "share of whole-model FLOPs ratio" in line

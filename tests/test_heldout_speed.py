@@ -1,4 +1,4 @@
-"""benchmarks/heldout_speed.py: its EOS suppressor gives the same tokens as transformers'
+"""benchmarks/heldout_speed.py and its harness: the EOS suppressor gives the same tokens as transformers'
 min_new_tokens, on River's route and lossless modes too (so the timed methods stay comparable)."""
 
 from __future__ import annotations
@@ -9,20 +9,19 @@ from transformers import LogitsProcessorList
 
 from benchmark_scripts import load_benchmark
 from river_hf import enable_river
+from river_hf.bench_harness import SuppressIds, gguf_tensor_bytes
 from test_river_core import tiny_model
 
 
 def test_suppress_ids_fills_only_those_ids():
-    bench = load_benchmark("heldout_speed")
     scores = torch.randn(2, 10)
-    out = bench.SuppressIds([7, 3, 7])(None, scores.clone())
+    out = SuppressIds([7, 3, 7])(None, scores.clone())
     assert torch.isinf(out[:, [3, 7]]).all() and (out[:, [3, 7]] < 0).all()
     keep = [i for i in range(10) if i not in (3, 7)]
     assert torch.equal(out[:, keep], scores[:, keep])
 
 
 def test_suppress_ids_matches_min_new_tokens_on_every_mode():
-    bench = load_benchmark("heldout_speed")
     model = enable_river(tiny_model("llama"), tau=0.5, min_layer=1, backend="int4", progress=False)
     ids = torch.randint(3, 200, (1, 7))
     eos = [int(model.generation_config.eos_token_id or 2)]
@@ -32,31 +31,9 @@ def test_suppress_ids_matches_min_new_tokens_on_every_mode():
         for mode in ("backbone", "route", "lossless"):
             with model.river_mode(mode):
                 ref = model.generate(ids, min_new_tokens=12, **base)
-                got = model.generate(ids, logits_processor=LogitsProcessorList([bench.SuppressIds(eos)]), **base)
+                got = model.generate(ids, logits_processor=LogitsProcessorList([SuppressIds(eos)]), **base)
             assert torch.equal(ref, got), mode
             assert got.shape[1] == ids.shape[1] + 12
-
-
-def test_inference_mode_benchmark_runs_both_contexts_with_the_same_tokens(tiny_folder, tmp_path):
-    """benchmarks/inference_mode.py: every mode under no_grad and inference_mode, the same tokens,
-    one ratio per round; bad counts are an argparse error."""
-    import json
-
-    import pytest
-
-    bench = load_benchmark("inference_mode")
-    out = tmp_path / "im.json"
-    assert bench.main(["--model", tiny_folder, "--modes", "exit,lossless", "--new-tokens", "4", "--repeats", "2",
-                       "--backend", "torch-int4", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    for mode in ("exit", "lossless"):
-        r = report["modes"][mode]
-        assert r["identical_tokens"] is True
-        assert len(r["seconds"]["no_grad"]) == len(r["seconds"]["inference_mode"]) == 2
-        assert r["speedup"]["min"] <= r["speedup"]["median"] <= r["speedup"]["max"]
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--new-tokens", "1", "--out", str(out)])
-    assert e.value.code == 2
 
 
 def test_onednn_methods_are_refused_when_the_packed_copy_would_not_fit(tiny_folder, tmp_path, monkeypatch, capsys):
@@ -95,13 +72,12 @@ def test_onednn_methods_run_and_report_their_packed_copy(tiny_folder, tmp_path):
 
 
 def test_llama_cpp_step_bytes_count_one_embedding_row_when_the_head_is_separate(tmp_path):
-    """benchmarks/llama_cpp_run.gguf_tensor_bytes: a decode step reads one row of token_embd when
+    """river_hf.bench_harness.gguf_tensor_bytes (the llama.cpp method's step bytes): a decode step reads one row of token_embd when
     the GGUF has its own output.weight (the 0.5B Q4_K_M file's 93.6 MB table had been counted whole),
     and the whole table when it is the head (tied, no output.weight)."""
     import numpy as np
     from gguf import GGUFWriter
 
-    run = load_benchmark("llama_cpp_run")
     embd = np.ones((10, 4), np.float32)  # 10 rows of 4: 160 bytes, 16 a row
     layer = np.ones((3, 4), np.float32)  # 48 bytes
 
@@ -118,12 +94,12 @@ def test_llama_cpp_step_bytes_count_one_embedding_row_when_the_head_is_separate(
         w.close()
         return path
 
-    assert run.gguf_tensor_bytes(write("untied.gguf", True)) == 16 + 48 + 160
-    assert run.gguf_tensor_bytes(write("tied.gguf", False)) == 160 + 48
+    assert gguf_tensor_bytes(write("untied.gguf", True)) == 16 + 48 + 160
+    assert gguf_tensor_bytes(write("tied.gguf", False)) == 160 + 48
 
 
 def test_prompt_kernel_benchmark_compares_both_kernels_on_one_model(tiny_folder, tmp_path, monkeypatch):
-    """benchmarks/prompt_kernel.py: with onnxruntime measured faster at 128 rows (scripted), the exit
+    """benchmarks/probes/prompt_kernel.py: with onnxruntime measured faster at 128 rows (scripted), the exit
     Linears get prompt kernels; both configurations are timed per prompt and round, the memory of the
     prompt kernels' copies is reported; a model without prompt kernels is an argparse error."""
     import json
@@ -140,7 +116,7 @@ def test_prompt_kernel_benchmark_compares_both_kernels_on_one_model(tiny_folder,
     us = {"torch-int4": 10.0, "ort-int4": 20.0}
     monkeypatch.setattr(KernelTuner, "measure", lambda self, candidates, linear, rows=1: {
         k.name: (us[k.name] if rows == 1 else 30.0 - us[k.name]) if k.name in us else 50.0 for k in candidates})
-    bench = load_benchmark("prompt_kernel")
+    bench = load_benchmark("probes/prompt_kernel")
     out = tmp_path / "pk.json"
     assert bench.main(["--model", tiny_folder, "--backend", "int4", "--problems", "100-101", "--rounds", "2",
                        "--check-tokens", "3", "--out", str(out)]) == 0
@@ -157,7 +133,7 @@ def test_prompt_kernel_benchmark_compares_both_kernels_on_one_model(tiny_folder,
 
 @pytest.mark.parametrize("problems", ["abc", "5-2", "100-999"])
 def test_prompt_kernel_benchmark_refuses_bad_problem_ranges(problems, tmp_path):
-    bench = load_benchmark("prompt_kernel")
+    bench = load_benchmark("probes/prompt_kernel")
     with pytest.raises(SystemExit) as e:
         bench.main(["--problems", problems, "--out", str(tmp_path / "x.json")])
     assert e.value.code == 2 and not (tmp_path / "x.json").exists()

@@ -11,6 +11,8 @@ from torch.overrides import TorchFunctionMode
 
 from test_river_core import tiny_model
 from benchmark_scripts import load_benchmark
+from river_hf.bench_harness import (lossless_settings, multi_row_kernel_hooks, parse_problems, parse_prompt_sets,
+                                    split_methods)
 
 
 
@@ -30,10 +32,9 @@ class _CountLinear(TorchFunctionMode):
 
 
 def test_multi_row_hooks_enter_the_kernel_mode_for_prefill_and_verify_passes_only():
-    bench = _bench()
     model = tiny_model("llama")
     mode = _CountLinear()
-    handles = bench.multi_row_kernel_hooks(model, mode)
+    handles = multi_row_kernel_hooks(model, mode)
     ids = torch.randint(3, 200, (1, 9))
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=5, do_sample=False)
@@ -51,50 +52,23 @@ def test_multi_row_hooks_enter_the_kernel_mode_for_prefill_and_verify_passes_onl
 
 
 def test_problem_ranges():
-    bench = _bench()
-    assert bench.parse_problems("100-102") == [100, 101, 102]
-    assert bench.parse_problems("0,5,7-8") == [0, 5, 7, 8]
-    assert bench.parse_prompt_sets("humaneval:100-101,gsm8k:3,5") == [
+    assert parse_problems("100-102") == [100, 101, 102]
+    assert parse_problems("0,5,7-8") == [0, 5, 7, 8]
+    assert parse_prompt_sets("humaneval:100-101,gsm8k:3,5") == [
         ("humaneval", 100), ("humaneval", 101), ("gsm8k", 3), ("gsm8k", 5)]
     with pytest.raises(ValueError, match="humaneval: or gsm8k:"):
-        bench.parse_prompt_sets("100-101")
+        parse_prompt_sets("100-101")
 
 
 def test_lossless_variants_name_their_settings():
-    bench = _bench()
-    names = bench.split_methods("unmodified,lossless[draft_path=exit;draft_vocab=32768],lossless+lookup")
+    names = split_methods("unmodified,lossless[draft_path=exit;draft_vocab=32768],lossless+lookup")
     assert names == ["unmodified", "lossless[draft_path=exit;draft_vocab=32768]", "lossless+lookup"]
-    assert bench.lossless_settings(names[1]) == {"draft_path": "exit", "draft_vocab": 32768}
-    assert bench.lossless_settings("lossless") == {}
-    assert bench.lossless_settings("lossless-exit") == {"prompt_lookup_tokens": 0}
-    assert bench.lossless_settings("prompt-lookup") is None
+    assert lossless_settings(names[1]) == {"draft_path": "exit", "draft_vocab": 32768}
+    assert lossless_settings("lossless") == {}
+    assert lossless_settings("lossless-exit") == {"prompt_lookup_tokens": 0}
+    assert lossless_settings("prompt-lookup") is None
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        bench.lossless_settings("lossless[draft_path]")
-
-
-def test_linear_kernels_bench_times_through_the_tuner(tmp_path, monkeypatch):
-    """benchmarks/linear_kernels.py uses the kernel tuner's own timing (streamed copies, alternating
-    rounds) and records the protocol; scripted here so the test times nothing."""
-    import json
-
-    from river_hf.quant import autotune
-
-    bench = load_benchmark("linear_kernels")
-    calls = []
-
-    def fake_measure(self, candidates, linear, rows=1):
-        calls.append((tuple(k.name for k in candidates), tuple(linear.weight.shape), linear.weight.dtype))
-        return {k.name: 10.0 + i for i, k in enumerate(candidates)}
-
-    monkeypatch.setattr(autotune.KernelTuner, "measure", fake_measure)
-    out = tmp_path / "lk.json"
-    assert bench.main(["--shapes", "256x512", "--rounds", "3", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    row = report["rows"][0]
-    assert calls[0][0][0] == "copy" and calls[0][1] == (512, 256) and calls[1] == (("copy",), (512, 256), torch.bfloat16)
-    assert row["fp32_us"] == 10.0 and set(row["kernels_us"]) == set(calls[0][0][1:]) == set(row["relative_error"])
-    assert all(0 < e < 0.2 for e in row["relative_error"].values())
-    assert "alternating rounds" in report["protocol"] and "--shapes 256x512" in report["command"]
+        lossless_settings("lossless[draft_path]")
 
 
 def test_plain_model_on_onednn_and_llama_cpp_methods(tiny_folder, tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""benchmarks/step_profile.py's attribution on a tiny River model: every module gets a category,
-the categories of a pass add up to the pass's wall time, River's routing and the exit layers'
+"""benchmarks/step_profile.py's attribution (river_hf.bench_harness.step_profile) on a tiny River
+model: every module gets a category, the categories of a pass add up to the pass's wall time, River's routing and the exit layers'
 products are seen where they run, and the hooks are gone afterwards (no speed is asserted)."""
 
 from __future__ import annotations
@@ -8,13 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from benchmark_scripts import load_benchmark
 from river_hf import enable_river
+from river_hf.bench_harness import step_profile as sp
 from river_hf.river import RiverConfig
 
 from test_river_core import batch_inputs, tiny_model
-
-sp = load_benchmark("step_profile")
 
 
 @pytest.mark.filterwarnings("ignore:tau=-2 is negative")

@@ -1,4 +1,5 @@
-"""benchmarks/stitch_bench.py without models: its timing loop follows river_hf.timing's protocol
+"""benchmarks/stitch_bench.py and its report (river_hf.bench_harness.stitch_report) without models: its
+timing loop follows river_hf.timing's protocol
 (alternating order, rounds per problem), its summary takes speedups per round with a spread, and
 its outputs record the protocol and the command; results written before the rounds existed still
 rescore (the timings themselves are measured by running the script, not by tests)."""
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from benchmark_scripts import load_benchmark
+from river_hf.bench_harness.rounds import time_rounds
+from river_hf.bench_harness.stitch_report import summarize, write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,9 +24,8 @@ def _bench():
 
 
 def test_time_rounds_alternates_the_order():
-    bench = _bench()
     calls = []
-    out = bench.time_rounds(lambda m: calls.append(m) or len(calls), ["llm", "slm", "x"], 3)
+    out = time_rounds(lambda m: calls.append(m) or len(calls), ["llm", "slm", "x"], 3)
     assert calls == ["llm", "slm", "x", "x", "slm", "llm", "llm", "slm", "x"]
     assert out == {"llm": [1, 6, 7], "slm": [2, 5, 8], "x": [3, 4, 9]}
 
@@ -36,26 +38,24 @@ def _record(task, llm, fast, tokens=10):
 
 
 def test_summary_speedup_is_per_round_over_problems():
-    bench = _bench()
     records = [_record("a", [2.0, 2.0, 4.0], [1.0, 2.0, 1.0]), _record("b", [4.0, 4.0, 4.0], [2.0, 1.0, 4.0])]
-    s = bench.summarize(records, ["llm", "fast"])["fast"]
+    s = summarize(records, ["llm", "fast"])["fast"]
     # round r: (2 + 4) / (1 + 2), (2 + 4) / (2 + 1), (4 + 4) / (1 + 4)
     assert s["speedup_vs_llm_runs"] == pytest.approx([2.0, 2.0, 1.6])
     assert s["speedup_vs_llm"] == pytest.approx(2.0) and s["speedup_vs_llm_range"] == pytest.approx([1.6, 2.0])
     assert s["speedup_verdict"] == "faster" and s["rounds"] == 3
     assert s["mean_latency_s"] == pytest.approx((1.0 + 2.0) / 2)  # per-problem medians, averaged
-    assert bench.summarize(records, ["llm", "fast"])["llm"]["speedup_verdict"] == "reference"
+    assert summarize(records, ["llm", "fast"])["llm"]["speedup_verdict"] == "reference"
     slower = [_record("a", [1.0, 1.0, 1.0], [0.5, 2.0, 1.0])]
-    assert bench.summarize(slower, ["llm", "fast"])["fast"]["speedup_verdict"] == "not resolved"
+    assert summarize(slower, ["llm", "fast"])["fast"]["speedup_verdict"] == "not resolved"
 
 
 def test_outputs_record_protocol_command_and_spread(tmp_path):
-    bench = _bench()
     args = Namespace(out_dir=str(tmp_path), name="s", slm="small", llm="large", taus=[0.1], max_new_tokens=16,
                      n_problems=2, threads=1, stock_linear=False, repeats=3,
                      argv=["--n-problems", "2", "--repeats", "3"])
     records = [_record("a", [2.0, 2.0, 4.0], [1.0, 2.0, 1.0]), _record("b", [4.0, 4.0, 4.0], [2.0, 1.0, 4.0])]
-    bench.write_outputs(args, records, ["llm", "fast"], "est.json", "then", finished=True)
+    write_outputs(args, records, ["llm", "fast"], "est.json", "then", finished=True)
     doc = json.loads((tmp_path / "s.json").read_text())
     assert doc["command"] == "PYTHONPATH=src python benchmarks/stitch_bench.py --n-problems 2 --repeats 3"
     assert doc["repeats"] == 3 and doc["timing_protocol"]["reference"] == "llm"

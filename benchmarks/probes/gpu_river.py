@@ -1,6 +1,6 @@
 """River on a GPU: exactness and speed bounds on a random-weight model of a real shape.
 
-    python benchmarks/gpu_river.py [--shape qwen2.5-0.5b|qwen2.5-1.5b] [--new-tokens 128] [--out FILE.json]
+    python benchmarks/probes/gpu_river.py [--shape qwen2.5-0.5b|qwen2.5-1.5b] [--new-tokens 128] [--out FILE.json]
 
 No checkpoint travels to the GPU machine, so the weights are random: the exit *decisions* mean
 nothing here, but the speed of the unmodified model (river_mode "backbone"), of the fully 4-bit

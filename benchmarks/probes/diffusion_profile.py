@@ -1,6 +1,6 @@
 """Where a dLLM-Cache step spends its time: torch-profiler breakdown per step kind, GEMM rates per row count.
 
-    PYTHONPATH=src python benchmarks/diffusion_profile.py [--size 1b] [--prompt-length 128] [--threads 2]
+    PYTHONPATH=src python benchmarks/probes/diffusion_profile.py [--size 1b] [--prompt-length 128] [--threads 2]
 
 On the random-weight LLaDA-layout test model (``river_hf.diffusion.build_test_model``) this profiles
 (``torch.profiler``, input shapes recorded) ``--repeats`` forwards of each step kind with the LM head
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     }  # fmt: skip
     result = {
         "what": "torch-profiler breakdown of one dLLM-Cache forward per step kind (self CPU ms, medians)",
-        "command": "PYTHONPATH=src python benchmarks/diffusion_profile.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "PYTHONPATH=src python benchmarks/probes/diffusion_profile.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "setup": {"size": args.size, "prompt_length": p, "gen_length": g, "head_rows": args.head_rows,
                   "threads": args.threads, "repeats": args.repeats, "cache": [50, 7, 0.25],

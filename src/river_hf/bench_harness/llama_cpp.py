@@ -1,4 +1,5 @@
-"""llama.cpp on the same GGUF, timed like the transformers methods (for heldout_speed.py and lossless_bench.py).
+"""llama.cpp on the same GGUF, timed like the transformers methods (benchmarks/heldout_speed.py and
+benchmarks/lossless_bench.py offer it as their ``llama.cpp`` method).
 
 llama-cpp-python is not a river-hf dependency (it builds from its PyPI sdist, ~12 minutes on 2 cores);
 the benchmarks offer the ``llama.cpp`` method only where it imports (:func:`available`).
@@ -70,7 +71,7 @@ class LlamaCppRunner:
         with ``weight_bytes_per_step`` from :func:`gguf_tensor_bytes`."""
         import numpy as np
 
-        from river_hf.timing import Measurement
+        from ..timing import Measurement
 
         eos = self.eos
 

@@ -8,7 +8,7 @@ call: the prompt pass through every exit layer plus the exit head on the last ro
 to the first token. Configurations, in one process on the same weights:
 
 - ``prompt kernel``: as built (calls of 16 rows or more on the prompt kernel);
-- ``one-row kernel``: every exit Linear on its one-row kernel (``heldout_speed.prompt_kernels_off``),
+- ``one-row kernel``: every exit Linear on its one-row kernel (``river_hf.bench_harness.prompt_kernels_off``),
   what the prompt pass ran on before prompt kernels existed.
 
 Timing: one untimed call of each per prompt, then ``--rounds`` rounds, the two configurations in
@@ -18,7 +18,7 @@ median and min-max; the first ``--check-tokens`` new tokens of each configuratio
 differ). The weight bytes of the prompt kernels' copies (memory the feature costs) are reported.
 JSON + PNG.
 
-    python benchmarks/prompt_kernel.py --model qwen2.5-coder-0.5b --problems 100-105 --rounds 5 \\
+    python benchmarks/probes/prompt_kernel.py --model qwen2.5-coder-0.5b --problems 100-105 --rounds 5 \\
         --out docs/results/prompt_kernel_qwen2.5-coder-0.5b.json
 """
 
@@ -56,18 +56,16 @@ def main(argv=None) -> int:
         ap.error("--rounds must be >= 1")
     if args.check_tokens < 1:
         ap.error("--check-tokens must be >= 1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from heldout_speed import prompt_kernels_off  # noqa: E402 - the sibling benchmark's switch
     from transformers import AutoTokenizer
 
     from river_hf import RiverForCausalLM
+    from river_hf.bench_harness import all_modules, prompt_kernels_off
     from river_hf.eval.common import humaneval_problems, write_json
     from river_hf.eval.data import humaneval_prompt
     from river_hf.files import save_figure
     from river_hf.models import encode_prompt, resolve
     from river_hf.quant.autotune import load_average
     from river_hf.quant.modules import PromptRowsLinear, linear_weight_bytes
-    from river_hf.river import exit_modules
     from river_hf.cli_args import check_output_path
     from river_hf.errors import RiverError
     from river_hf.quant import get_backend
@@ -89,7 +87,7 @@ def main(argv=None) -> int:
                                                      river_config=config)
     except RiverError as e:
         ap.error(str(e))
-    wrapped = [m for _, m in exit_modules(model) if isinstance(m, PromptRowsLinear)]
+    wrapped = [m for m in all_modules(model) if isinstance(m, PromptRowsLinear)]
     if not wrapped:
         ap.error("no exit Linear got a prompt kernel here (onnxruntime missing, RIVER_HF_AUTOTUNE=0, or the "
                  "one-row kernels measured faster at 128 rows): nothing to compare")
@@ -132,7 +130,7 @@ def main(argv=None) -> int:
                      "same_tokens": tokens["prompt kernel"][name] == tokens["one-row kernel"][name]})
     all_ratios = [a / b for row in rows for a, b in zip(row["runs"]["one-row kernel"], row["runs"]["prompt kernel"])]
     report = {
-        "command": "python benchmarks/prompt_kernel.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/probes/prompt_kernel.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": args.model, "backend": config.backend, "check_tokens": args.check_tokens,
         "mode": "exit (fully quantized)", "rounds": args.rounds, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "load_avg_1m_before": load_before,

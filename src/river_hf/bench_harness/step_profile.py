@@ -1,0 +1,183 @@
+"""A decode step's wall time by category of module, for ``benchmarks/step_profile.py``.
+
+Attribution is by module forward hooks, exclusive (self) wall time: every module of the model gets
+a category, a module's time minus its children's goes to its category, and River's own
+per-pass work (``RiverRouter.begin`` / ``after_backbone`` / ``end``, the ``RiverLayer`` and
+``RiverHead`` wrappers) goes to ``routing``. Categories:
+
+- ``backbone products``: the backbone's ``nn.Linear`` modules (decoder layers);
+- ``exit products``: the exit layers' Linear copies (quantized kernels, their input casts, the
+  fused products and their slices);
+- ``head``: the LM head (original or exit head, and its wrapper);
+- ``attention``: the attention modules minus their projections (rotary application, the KV-cache
+  update, SDPA, reshapes);
+- ``norms/rotary/elementwise``: norms, the rotary-embedding module, the MLP's activation and
+  product, the decoder layers' residual adds, the embedding lookup;
+- ``routing``: River's exit decision (state transition similarity, the rules) and its wrappers;
+- ``forward glue``: the decoder stack and the CausalLM forward themselves (mask creation, output
+  objects, logits slicing; in lossless verify passes, entering the verify kernel mode);
+- ``generate loop``: the time between one forward pass's end and the next one's start
+  (transformers' loop: logits processors, argmax, stopping criteria, streamer, input preparation,
+  River's ``prepare_inputs_for_generation``; in lossless mode the drafter's and assisted
+  decoding's work, charged to the pass that follows it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+__all__ = ["CATEGORIES", "linear_like", "categories", "StepProfiler", "step_rows"]
+
+CATEGORIES = ("backbone products", "exit products", "head", "attention", "norms/rotary/elementwise", "routing",
+              "forward glue", "generate loop")
+
+
+def linear_like(module: nn.Module) -> bool:
+    """A weight product module: a Linear or one of river-hf's built copies of one."""
+    from ..quant import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+    from ..quant.external import ArkWoqLinear, DynamicInt8Linear, OrtMatMulNBitsLinear
+    from ..quant.fused import FusedProjection, ProjectionSlice
+
+    return isinstance(module, (nn.Linear, CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, FusedProjection,
+                               ProjectionSlice, ArkWoqLinear, DynamicInt8Linear, OrtMatMulNBitsLinear)) \
+        or type(module).__name__.startswith("QLinear")
+
+
+def categories(model: nn.Module) -> dict[int, str]:
+    """``{id(module): category}`` for every module of ``model`` (a River or plain model) but the
+    top one (timed as ``forward glue`` by the pass hooks)."""
+    from ..river.layer import RiverHead, RiverLayer
+
+    cats: dict[int, str] = {}
+    head = model.get_output_embeddings()
+
+    def walk(module: nn.Module, where: str):
+        for child in module.children():
+            name = type(child).__name__
+            if child is head or where == "head":
+                cat, inner = "head", "head"
+            elif isinstance(child, RiverLayer):
+                cat, inner = "routing", "layer"
+            elif linear_like(child):
+                cat, inner = ("exit products" if where == "exit" else "backbone products"), where
+            elif "Attention" in name:
+                cat, inner = "attention", where
+            elif isinstance(child, nn.ModuleList) or "Model" in name:
+                cat, inner = "forward glue", where
+            else:
+                cat, inner = "norms/rotary/elementwise", where
+            cats.setdefault(id(child), cat)
+            if isinstance(child, RiverLayer):
+                cats[id(child.backbone)] = "norms/rotary/elementwise"
+                cats[id(child.exit_layer)] = "norms/rotary/elementwise"
+                walk(child.backbone, "backbone")
+                walk(child.exit_layer, "exit")
+            elif isinstance(child, RiverHead):
+                walk(child, "head")
+            else:
+                walk(child, inner)
+
+    walk(model, "backbone")
+    return cats
+
+
+class StepProfiler:
+    """Exclusive wall time per category of every forward pass of one model, and the gaps between
+    passes (see the module docstring). Use as a context manager around ``generate``; afterwards
+    :attr:`passes` holds one dict per top-level forward: ``tokens``, ``mode`` (the River router's
+    mode during the pass, None for a plain model), ``start``/``end`` (perf_counter s), ``gap``
+    (s since the previous pass ended; None for the first), ``seconds`` ({category: s})."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.cats = categories(model)
+        self.passes: list[dict] = []
+        self.stack: list[list] = []  # [category, start, child seconds]
+        self.handles: list = []
+        self.patched: list = []
+
+    def push(self, cat: str) -> None:
+        self.stack.append([cat, time.perf_counter(), 0.0])
+
+    def pop(self) -> None:
+        cat, start, child = self.stack.pop()
+        elapsed = time.perf_counter() - start
+        if self.passes and self.passes[-1]["end"] is None:
+            seconds = self.passes[-1]["seconds"]
+            seconds[cat] = seconds.get(cat, 0.0) + elapsed - child
+        if self.stack:
+            self.stack[-1][2] += elapsed
+
+    def __enter__(self):
+        cats = self.cats
+        router = getattr(self.model, "river", None)
+
+        def pre(module, args):
+            cat = cats.get(id(module))
+            if cat is not None:
+                self.push(cat)
+
+        def post(module, args, output):
+            if id(module) in cats:
+                self.pop()
+
+        def top_pre(module, args, kwargs):
+            x = kwargs.get("input_ids", args[0] if args else None)
+            now = time.perf_counter()
+            last = self.passes[-1]["end"] if self.passes else None
+            self.passes.append({"tokens": int(x.shape[1]) if isinstance(x, torch.Tensor) else None,
+                                "mode": router.mode if router is not None else None, "start": now,
+                                "gap": None if last is None else now - last, "end": None, "seconds": {}})
+            self.push("forward glue")
+
+        def top_post(module, args, kwargs, output):
+            self.pop()
+            self.passes[-1]["end"] = time.perf_counter()
+
+        self.handles = [nn.modules.module.register_module_forward_pre_hook(pre),
+                        nn.modules.module.register_module_forward_hook(post, always_call=True),
+                        self.model.register_forward_pre_hook(top_pre, with_kwargs=True, prepend=True),
+                        self.model.register_forward_hook(top_post, with_kwargs=True, always_call=True)]
+        if router is not None:
+            for name in ("begin", "after_backbone", "end"):
+                method = getattr(router, name)
+
+                def timed(*a, _method=method, **k):
+                    self.push("routing")
+                    try:
+                        return _method(*a, **k)
+                    finally:
+                        self.pop()
+
+                setattr(router, name, timed)
+                self.patched.append((router, name))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        for obj, name in self.patched:
+            delattr(obj, name)  # the instance attribute goes, the class's method is back
+        self.handles, self.patched = [], []
+
+
+def step_rows(passes: list[dict], mode: str) -> dict[str, dict]:
+    """Mean ms per category of the decode passes (prefill left out; lossless: draft and verify
+    passes apart), ``generate loop`` = mean gap before such a pass."""
+    decode = passes[1:]
+    if mode == "lossless":
+        groups = {"lossless draft": [p for p in decode if p["tokens"] == 1 and p["mode"] in ("route", "exit")],
+                  "lossless verify": [p for p in decode if (p["tokens"] or 0) > 1]}
+    else:
+        groups = {mode: decode}
+    rows = {}
+    for label, ps in groups.items():
+        if not ps:
+            continue
+        ms = {c: 1e3 * sum(p["seconds"].get(c, 0.0) for p in ps) / len(ps) for c in CATEGORIES if c != "generate loop"}
+        ms["generate loop"] = 1e3 * sum(p["gap"] or 0.0 for p in ps) / len(ps)
+        rows[label] = {"ms": ms, "passes": len(ps), "tokens_per_pass": sum(p["tokens"] for p in ps) / len(ps)}
+    return rows
