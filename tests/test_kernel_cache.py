@@ -251,8 +251,6 @@ def test_concurrent_writers_keep_every_entry(tmp_path, monkeypatch):
     entries, invalid, fmt = read_cache(path)
     assert fmt == FORMAT_VERSION and invalid == {}
     assert sorted(e["shape"] for e in entries.values()) == sorted(f"{m.in_features}x64" for m in shapes)
-    # and a writer that started before the others finished sees their entries afterwards
-    assert len(tuners[0]._choices) >= 1
 
 
 def test_a_newer_format_is_left_alone(tmp_path, monkeypatch):
