@@ -358,3 +358,32 @@ def test_torch_compile_is_refused():
     with pytest.raises(RiverError, match="cannot be compiled"):
         model.generate(**inputs, **GEN, cache_implementation="static", compile_config=CompileConfig(backend="eager"))
     assert model(**inputs).logits.shape == (2, 12, 256)  # uncompiled, it still runs
+
+
+def test_one_checked_settings_path_for_every_entry_point(tmp_path):
+    """from_pretrained, from_config and enable_river take River's settings through one checked path
+    (river.config.river_settings): each takes every setting by name, an unknown keyword of enable_river
+    is one RiverError naming the settings, and offloading is refused outside from_pretrained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from river_hf import RiverError, RiverForCausalLM, enable_river
+    from river_hf.river.config import RIVER_SETTINGS
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1)
+    settings = dict(tau=0.7, min_layer=1, backend="copy", exit_head="copy", prefill="backbone", lossless=True,
+                    strategy="river", prompt_kernel=False)
+    assert set(settings) | {"offload_from", "offload_dir"} == set(RIVER_SETTINGS)
+    built = RiverForCausalLM.from_config(config, progress=False, **settings)
+    plain = LlamaForCausalLM(config).eval()
+    plain.save_pretrained(tmp_path / "plain")
+    loaded = RiverForCausalLM.from_pretrained(tmp_path / "plain", progress=False, **settings)
+    enabled = enable_river(LlamaForCausalLM(config).eval(), progress=False, **settings)
+    for model in (built, loaded, enabled):
+        c = model.river_config
+        assert (c.tau, c.min_layer, c.backend, c.exit_head, c.prefill, c.lossless) == (0.7, 1, "copy", "copy", "backbone",
+                                                                                      True)
+    with pytest.raises(RiverError, match="unknown keyword argument.*taus"):
+        enable_river(LlamaForCausalLM(config).eval(), taus=0.9, progress=False)
+    with pytest.raises(RiverError, match="offload_from"):
+        RiverForCausalLM.from_config(config, offload_from=1, progress=False)

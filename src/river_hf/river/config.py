@@ -31,7 +31,8 @@ DRAFT_PATHS = ("route", "exit")
 #: while their measured tokens per second in this call beat the exit-path drafts')
 PROMPT_LOOKUP_RULES = ("always", "adaptive")
 
-__all__ = ["RiverConfig", "default_config", "check_tau", "warn_if_negative_tau", "CONFIG_DIR"]
+__all__ = ["RiverConfig", "default_config", "check_tau", "warn_if_negative_tau", "CONFIG_DIR", "RIVER_SETTINGS",
+           "river_settings"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -49,6 +50,34 @@ def check_tau(tau) -> float:
     if math.isnan(value):
         raise RiverError("tau must be a number (e.g. 0.95; above 1 never exits), got NaN")
     return value
+
+
+#: The River settings ``RiverForCausalLM.from_pretrained``, ``from_config`` and ``enable_river`` take as
+#: keyword arguments, each overriding the :class:`RiverConfig` field of that name.
+RIVER_SETTINGS = ("tau", "min_layer", "backend", "exit_head", "prefill", "lossless", "strategy", "prompt_kernel",
+                  "offload_from", "offload_dir")
+
+
+def river_settings(kwargs: dict, *, allowed: tuple = RIVER_SETTINGS, where: str = "enable_river") -> dict:
+    """Take River's settings out of ``kwargs`` (in place) and return them: the one checked path
+    of ``from_pretrained``, ``from_config`` and ``enable_river``. A setting given as None counts as
+    not given, except ``exit_head=None`` (no exit head). Values are checked later, by
+    :class:`RiverConfig`.
+
+    Raises:
+        RiverError: a River setting ``where`` does not take (``offload_from`` / ``offload_dir``
+            outside ``from_pretrained``).
+    """
+    settings = {}
+    for name in RIVER_SETTINGS:
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if name not in allowed:
+                raise RiverError(f"{where} does not take {name}= (only RiverForCausalLM.from_pretrained does: the "
+                                 "backbone must be loaded offloaded)")
+            if value is not None or name == "exit_head":
+                settings[name] = value
+    return settings
 
 
 def warn_if_negative_tau(tau: float, min_layer: int | None = None, stacklevel: int = 2) -> None:

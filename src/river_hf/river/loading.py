@@ -17,12 +17,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..errors import RiverError
 from ..models import is_key, resolve
 from .arch import is_river_class
-from .build import KEEP
 from .config import RiverConfig, default_config
 from .offload import loading_kwargs
 from .serialization import check_base_weights, saved_river_config
 
-__all__ = ["load_checkpoint", "read_config", "architecture", "as_class", "overrides"]
+__all__ = ["load_checkpoint", "read_config", "architecture", "as_class"]
 
 #: ``from_pretrained`` arguments that also apply to reading the config (``AutoConfig``).
 HUB_KWARGS = ("revision", "token", "trust_remote_code", "cache_dir", "local_files_only", "force_download",
@@ -56,14 +55,6 @@ def load_checkpoint(cls: type, name: str, model_args: tuple, kwargs: dict, river
                          "folder the weights were saved with") from None
     model.eval()
     return model, river_config
-
-
-def overrides(*, exit_head, **fields) -> dict:
-    """The River settings a caller gave (None and an absent ``exit_head`` mean "not given")."""
-    out = {k: v for k, v in fields.items() if v is not None}
-    if exit_head is not KEEP:
-        out["exit_head"] = exit_head
-    return out
 
 
 def _validation_errors() -> tuple:

@@ -39,10 +39,10 @@ from .build import KEEP as _KEEP
 from .build import (build_exit_path, check_min_layer, check_supported, disable_river, refresh_exit_layers,  # noqa: F401
                     settings_for, warn_negative_taus)
 from .cache import RiverCache
-from .config import CONFIG_DIR, RiverConfig, default_config
+from .config import CONFIG_DIR, RIVER_SETTINGS, RiverConfig, default_config, river_settings
 from .controllers import ExitRuleList
 from .layer import BACKBONE_ONLY, LOSSLESS, ROUTE, RiverHead, RiverLayer
-from .loading import architecture, as_class, load_checkpoint, overrides
+from .loading import architecture, as_class, load_checkpoint
 from .loading import read_config as _read_config  # noqa: F401  (the old name)
 from .lossless import cut_at_stop, lossless_call
 from .lossless_batch import BatchPlan
@@ -108,17 +108,7 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
         cls,
         pretrained_model_name_or_path,
         *model_args,
-        tau: float | None = None,
-        min_layer: int | None = None,
-        backend: str | None = None,
-        exit_head=_KEEP,
-        prefill: str | None = None,
-        lossless: bool | None = None,
-        strategy: str | None = None,
-        prompt_kernel: bool | None = None,
         river_config: RiverConfig | None = None,
-        offload_from: int | None = None,
-        offload_dir: str | None = None,
         progress: bool = True,
         **kwargs,
     ):
@@ -132,10 +122,12 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
         Args:
             pretrained_model_name_or_path: a model key, a local folder or a Hub id
                 (:func:`river_hf.models.resolve`; a Hub id with ``revision=`` is passed on as is).
-            tau, min_layer, backend, exit_head, prefill, lossless, strategy, prompt_kernel, offload_from, offload_dir:
-                override single settings of the stored ones (see :class:`RiverConfig`);
-                ``lossless=True`` makes lossless mode the model's own; ``strategy`` picks what the
-                layers after an exit do (:data:`river_hf.river.strategies.STRATEGIES`).
+            **kwargs (River's settings): any of :data:`~river_hf.river.config.RIVER_SETTINGS`
+                (``tau``, ``min_layer``, ``backend``, ``exit_head``, ``prefill``, ``lossless``,
+                ``strategy``, ``prompt_kernel``, ``offload_from``, ``offload_dir``) overrides that
+                field of the stored settings (see :class:`RiverConfig`); ``lossless=True`` makes
+                lossless mode the model's own; ``strategy`` picks what the layers after an exit do
+                (:data:`river_hf.river.strategies.STRATEGIES`).
             river_config: a whole :class:`RiverConfig` replacing the stored settings. Without it,
                 the settings come from the folder's config.json ``"river"``, else from
                 ``configs/<key>.json`` (:func:`default_config`).
@@ -156,9 +148,7 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
                 model's layers.
         """
         name = str(pretrained_model_name_or_path)
-        given = overrides(tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
-                          lossless=lossless, strategy=strategy, prompt_kernel=prompt_kernel, offload_from=offload_from,
-                          offload_dir=offload_dir)
+        given = river_settings(kwargs, where="from_pretrained")
         model, river_config = load_checkpoint(cls, name, model_args, kwargs, river_config, given, progress)
         model = enable_river(model, config=river_config, progress=progress)
         return as_class(model, cls)
@@ -168,14 +158,6 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
         cls,
         config,
         *,
-        tau: float | None = None,
-        min_layer: int | None = None,
-        backend: str | None = None,
-        exit_head=_KEEP,
-        prefill: str | None = None,
-        lossless: bool | None = None,
-        strategy: str | None = None,
-        prompt_kernel: bool | None = None,
         river_config: RiverConfig | None = None,
         progress: bool = True,
         **kwargs,
@@ -186,21 +168,20 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
         Args:
             config: a ``PretrainedConfig`` of a causal LM (e.g. a tiny ``LlamaConfig``); its
                 ``river`` attribute, when present, gives the River settings.
-            tau, min_layer, backend, exit_head, prefill, lossless, strategy, prompt_kernel, river_config, progress: as for
-                :meth:`from_pretrained`.
-            **kwargs: passed to ``from_config`` (``dtype``, ``attn_implementation``, ...).
+            river_config, progress: as for :meth:`from_pretrained`.
+            **kwargs: River's settings as for :meth:`from_pretrained` (but ``offload_*``); the rest
+                is passed to ``from_config`` (``dtype``, ``attn_implementation``, ...).
 
         Raises:
             RiverError: as for :func:`enable_river`.
         """
+        settings = river_settings(kwargs, allowed=FROM_CONFIG_SETTINGS, where="from_config")
         arch = architecture(cls, config)
         model = build_from_config(arch, config, **kwargs)
         model.eval()
         if river_config is None:
             river_config = saved_river_config(config)
-        model = enable_river(model, tau, min_layer=min_layer, backend=backend, exit_head=exit_head, prefill=prefill,
-                             lossless=lossless, strategy=strategy, prompt_kernel=prompt_kernel, config=river_config,
-                             progress=progress)
+        model = enable_river(model, config=river_config, progress=progress, **settings)
         return as_class(model, cls)
 
     def save_pretrained(self, save_directory, *, card: str | None = None, tokenizer=None, **kwargs):
@@ -411,6 +392,10 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
 RiverMixin = RiverForCausalLM
 
 
+#: River's settings ``from_config`` and ``enable_river`` take (offloading happens while loading: ``from_pretrained`` only).
+FROM_CONFIG_SETTINGS = tuple(n for n in RIVER_SETTINGS if not n.startswith("offload_"))
+
+
 def river_class(arch_name: str) -> type:
     """The River class of a transformers architecture class name, e.g. ``"Qwen2ForCausalLM"``
     gives ``RiverQwen2ForCausalLM`` (what a saved folder's ``modeling_river.py`` exports).
@@ -428,18 +413,12 @@ def enable_river(
     model: nn.Module,
     tau: float | None = None,
     *,
-    min_layer: int | None = None,
-    backend: str | None = None,
-    exit_head=_KEEP,
-    prefill: str | None = None,
-    lossless: bool | None = None,
-    strategy: str | None = None,
-    prompt_kernel: bool | None = None,
     rules: ExitRuleList | list | None = None,
     config: RiverConfig | None = None,
     allow_untested: bool = False,
     progress: bool = True,
     tuner=None,
+    **settings,
 ) -> nn.Module:
     """Turn a loaded transformers causal LM into a River model, in place, and return it.
 
@@ -448,8 +427,10 @@ def enable_river(
         tau: threshold τ of the state transition similarity (River-LLM Sec. 3.2); None takes the
             per-model default from ``configs/``. A negative τ is legal and warns (nearly every
             step then leaves the backbone after ``min_layer`` layers).
-        min_layer, backend, exit_head, prefill, lossless, strategy, prompt_kernel: override the defaults (see
-            :class:`RiverConfig`).
+        **settings: River's settings as for ``RiverForCausalLM.from_pretrained`` (``min_layer``,
+            ``backend``, ``exit_head``, ``prefill``, ``lossless``, ``strategy``, ``prompt_kernel``;
+            :data:`~river_hf.river.config.RIVER_SETTINGS` but ``offload_*``): override the defaults
+            (see :class:`RiverConfig`).
         rules: explicit exit rules instead of tau/min_layer: an :class:`ExitRuleList`, a list of
             rules (``[MinLayerRule(2), StateTransitionSimilarityRule(0.9)]``) or ``to_list()`` dicts.
         config: a whole :class:`RiverConfig`; the other keyword arguments override its fields.
@@ -470,12 +451,16 @@ def enable_river(
             available here (another kernel of the same width is used).
 
     Raises:
-        RiverError: River already enabled, unsupported architecture, invalid settings,
-            ``min_layer`` not below the model's number of decoder layers.
+        RiverError: River already enabled, unsupported architecture, an unknown keyword argument,
+            invalid settings, ``min_layer`` not below the model's number of decoder layers.
     """
+    given = river_settings(dict(settings, tau=tau), allowed=FROM_CONFIG_SETTINGS)
+    unknown = sorted(set(settings) - set(RIVER_SETTINGS))
+    if unknown:
+        raise RiverError(f"enable_river got unknown keyword argument(s) {', '.join(unknown)}; River's settings are "
+                         f"{', '.join(RIVER_SETTINGS[:-2])} (see RiverConfig)")
     check_supported(model, allow_untested)
-    config = settings_for(model, config, tau=tau, min_layer=min_layer, backend=backend, exit_head=exit_head,
-                          prefill=prefill, lossless=lossless, strategy=strategy, prompt_kernel=prompt_kernel, rules=rules)
+    config = settings_for(model, config, rules=rules, exit_head=given.pop("exit_head", _KEEP), **given)
     _, layers = decoder_stack(model)
     rule_list = config.build_rules()
     check_min_layer(rule_list, len(layers), model)
