@@ -50,9 +50,10 @@ _EXIT_LAYERS = get_strategy("river")
 
 class _ThreadState(threading.local):
     """What one thread's calls into a River model hold: the pass in flight, the overrides of the
-    calls it is inside (``river_mode``, a per-call τ), and the log of the call being recorded.
-    A fresh instance per thread, so two threads that generate on one model never see each other's
-    routing decisions (``threading.local``)."""
+    calls it is inside (``river_mode``, a per-call τ), the log of the call being recorded, and
+    which ``generate`` call is in flight (its :class:`~river_hf.river.call.GenerateCall`, through
+    :attr:`RiverRouter.current_call`). A fresh instance per thread, so two threads that generate on
+    one model never see each other's routing decisions (``threading.local``)."""
 
     def __init__(self):
         self.mode: str | None = None  # override of the router's mode (river_mode), None: the router's own
@@ -62,11 +63,8 @@ class _ThreadState(threading.local):
         self.full_depth = False  # the next pass runs every layer (Recompute's re-fed pass)
         self.log: list | None = None  # the recording call's pass log, None: nothing records
         self.next_mask = None
-        self.lossless_record = None  # the statistics dict of the lossless generate call in flight
-        self.first_stop = None  # that call's FirstStop stopping criteria (lossless.py)
+        self.call = None  # the GenerateCall in flight (RiverRouter.calling), None: no generate call
         self.stats = None  # river_summary of this thread's last generate call
-        self.verify_linear = None  # a lossless call's kernel mode for its backbone passes (lossless.py)
-        self.entered: list = []  # kernel modes entered by the forward pre-hook, exited by the forward hook
         self.reset_pass(ROUTE, 0)
 
     def reset_pass(self, mode: str, num_layers: int, strategy: ExitStrategy | None = None) -> None:
@@ -189,6 +187,25 @@ class RiverRouter:
             yield local.log
         finally:
             local.log = old
+
+    @contextlib.contextmanager
+    def calling(self, call):
+        """Within the block, ``call`` (a :class:`~river_hf.river.call.GenerateCall`) is this
+        thread's ``generate`` call in flight (:attr:`current_call`); ``generate`` opens it for its
+        whole duration. Nests: the previous call comes back on exit."""
+        local = self._local
+        old, local.call = local.call, call
+        try:
+            yield call
+        finally:
+            local.call = old
+
+    @property
+    def current_call(self):
+        """This thread's ``generate`` call in flight (a :class:`~river_hf.river.call.GenerateCall`),
+        or None outside one (a bare forward pass): how the generation hooks and the model's forward
+        hooks reach the call's state."""
+        return self._local.call
 
     def remember(self, stats: dict) -> None:
         """Keep ``stats`` as this thread's last call's statistics (and as the model's last)."""

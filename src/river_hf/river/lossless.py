@@ -623,25 +623,20 @@ def draft_settings(model) -> dict:
 
 
 @contextlib.contextmanager
-def lossless_call(model, record: dict):
-    """Within the block, this thread's ``generate`` call on ``model`` is a lossless one:
-    ``model._get_candidate_generator`` hands transformers' ``_assisted_decoding`` (entered by
-    passing the model as its own ``assistant_model``) an :class:`ExitPathDrafter` filling
-    ``record``, and forward passes on the backbone (prefill, verify) run in the kernel mode of
-    :func:`verify_mode` (River's forward hooks enter it; draft passes do not: their Linears are
-    quantized, and one-token calls are fast already). The draft settings (:func:`draft_settings`)
-    are prepared on entry, before the call's timer starts; after the call the record gets the
-    model's backbone step time (:func:`backbone_step_seconds`, measured once per model)."""
+def lossless_call(model, call):
+    """Within the block, ``call`` (this thread's :class:`~river_hf.river.call.GenerateCall`, in
+    flight through ``model.river.calling``) is a lossless one: ``model._get_candidate_generator``
+    hands transformers' ``_assisted_decoding`` (entered by passing the model as its own
+    ``assistant_model``) an :class:`ExitPathDrafter` filling ``call.record``, and forward passes on
+    the backbone (prefill, verify) run in the kernel mode of :func:`verify_mode` (River's forward
+    hooks enter ``call.verify_linear``; draft passes do not: their Linears are quantized, and
+    one-token calls are fast already). The draft settings (:func:`draft_settings`) are prepared on
+    entry, before the call's timer starts; after the call the record gets the model's backbone step
+    time (:func:`backbone_step_seconds`, measured once per model)."""
     config = model.river_config
-    local = model.river._local
-    old = local.lossless_record, local.verify_linear
-    local.lossless_record = record
-    local.verify_linear, record["verify_kernel"] = verify_mode(model, config.verify_kernel, config.max_draft_tokens + 1)
-    old_settings = getattr(local, "draft_settings", None)  # (set only by this function, per thread)
-    local.draft_settings = draft_settings(model)
-    try:
-        yield record
-    finally:
-        local.lossless_record, local.verify_linear = old
-        local.draft_settings = old_settings
-    record["backbone_step_seconds"] = backbone_step_seconds(model)
+    call.lossless = True
+    call.verify_linear, call.record["verify_kernel"] = verify_mode(model, config.verify_kernel,
+                                                                   config.max_draft_tokens + 1)
+    call.draft_settings = draft_settings(model)
+    yield call
+    call.record["backbone_step_seconds"] = backbone_step_seconds(model)
