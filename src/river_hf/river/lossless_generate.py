@@ -22,7 +22,8 @@ import torch
 from ..compat import eos_token_ids, logits_processors, prepare_generation_config, prepare_lengths
 from ..errors import RiverError
 from .layer import LOSSLESS
-from .lossless import ExitPathDrafter, FirstStop
+from .drafter import ExitPathDrafter
+from .lossless import FirstStop
 from .lossless_batch import HISTORY_FREE, BatchPlan
 
 __all__ = ["OTHER_DRAFTERS", "BATCH_FALLBACK_ARGS", "BATCH_FALLBACK_SETTINGS", "can_draft", "batch_plan", "drafter",
