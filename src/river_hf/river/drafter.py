@@ -141,6 +141,7 @@ class ExitPathDrafter(CandidateGenerator):
         self.draft_mode = EXIT_ONLY if draft_path == "exit" else ROUTE
         self.draft_rules = draft_rules
         self.draft_head = draft_head
+        self.stack = decoder_stack(model)[0] if draft_head is not None else None  # FR-Spec's draft passes
         self.call_vocab = draft_head.call_vocab() if draft_head is not None else None
         self.gate = LookupGate(prompt_lookup_rule)
         self.record = record if record is not None else {}
@@ -180,38 +181,51 @@ class ExitPathDrafter(CandidateGenerator):
 
         The first iteration drafts nothing: transformers' loop then runs the prefill (on the
         backbone) as its verify pass. Later, the cache holds ``cur_len - 1`` positions (the last
-        token is not yet in it); the drafts are fed one by one through the exit path and the cache
-        is cropped back to ``cur_len - 1`` before returning.
+        token is not yet in it); a round proposes a prompt-lookup match (:meth:`_lookup`) or
+        drafts through the exit path (:meth:`_draft`, which crops the cache back to
+        ``cur_len - 1``), and :meth:`_account` counts it.
 
         Returns:
             ``(candidate_ids LongTensor [1, cur_len + n], scores float32 [1, n, vocab] or None)``,
             ``n`` <= k drafts; drafting stops early at an EOS draft or the length limit.
         """
-        start = time.perf_counter()
-        self._round_start = start
+        self._round_start = time.perf_counter()
         self._drafted_now = 0
-        if is_first_iteration:
-            self._verify_start = time.perf_counter()
-            return input_ids, None
-        cur_len = input_ids.shape[1]
-        k = min(int(self.num_draft_tokens), self.max_length - cur_len - 1)
-        if k < 1:
-            self._verify_start = time.perf_counter()
-            return input_ids, None
         self._lookup_round = False
-        if self.lookup is not None:
-            found, _ = self.lookup.get_candidates(input_ids)
-            if found.shape[1] > cur_len and self.gate.use():
-                self._lookup_round = True
-                self._drafted_now = found.shape[1] - cur_len
-                self.record["lookup_drafted"] += self._drafted_now
-                self._verify_start = time.perf_counter()
-                self.record["draft_seconds"] += self._verify_start - start
-                self.record["lookup_draft_seconds"] += self._verify_start - start
-                return found, None  # no draft distribution: transformers' loop then samples from p and matches
-            if found.shape[1] > cur_len:
-                self.record["lookup_declined"] += 1
+        k = 0 if is_first_iteration else min(int(self.num_draft_tokens), self.max_length - input_ids.shape[1] - 1)
+        if k < 1:  # the prefill's round, or the length limit: nothing to draft
+            return self._account(input_ids, None, source=None, drafted=0)
+        found = self._lookup(input_ids)
+        if found is not None:  # no draft distribution: transformers' loop then samples from p and matches
+            return self._account(found, None, source="lookup", drafted=found.shape[1] - input_ids.shape[1])
+        sequence, scores = self._draft(input_ids, model_kwargs, k)
+        return self._account(sequence, scores, source="exit", drafted=scores.shape[1])
+
+    def _lookup(self, input_ids):
+        """The prompt-lookup candidates (``LongTensor [1, cur_len + n]``) when prompt lookup is on,
+        the last tokens occurred earlier and :class:`LookupGate` proposes the match; else None (a
+        declined match is counted in ``lookup_declined``)."""
+        if self.lookup is None:
+            return None
+        found, _ = self.lookup.get_candidates(input_ids)
+        if found.shape[1] <= input_ids.shape[1]:
+            return None
+        if self.gate.use():
+            return found
+        self.record["lookup_declined"] += 1
+        return None
+
+    def _draft(self, input_ids, model_kwargs: dict, k: int):
+        """Up to ``k`` one-token passes through the draft path (``self.draft_mode``, with the draft
+        rules), each writing its K/V into the main model's cache; the argmax (or a sample) of the
+        call's processed scores is the next draft; stops after an EOS draft. The cache is then
+        cropped back by the drafts (the verify pass writes the backbone's K/V in their place).
+
+        Returns:
+            ``(sequence LongTensor [1, cur_len + n], scores float32 [1, n, vocab])``, 1 <= n <= k.
+        """
         cache = model_kwargs["cache"]
+        cur_len = input_ids.shape[1]
         position_ids = model_kwargs.get("position_ids")
         position = (position_ids[:, -1:] if position_ids is not None
                     else torch.full((1, 1), cur_len - 1, dtype=torch.long, device=input_ids.device))
@@ -219,20 +233,12 @@ class ExitPathDrafter(CandidateGenerator):
         sequence, token = input_ids, input_ids[:, -1:]
         scores = []
         router = self.model.river
-        stack = decoder_stack(self.model)[0] if self.draft_head is not None else None
         if self.call_vocab is not None:
             self.call_vocab.add(input_ids)
         with router.override(mode=self.draft_mode, rules=self.draft_rules), torch.no_grad():
             for j in range(k):
                 step_mask = None if mask is None else torch.cat([mask, mask.new_ones((1, j))], dim=-1)
-                if stack is None:
-                    out = self.model(input_ids=token, attention_mask=step_mask, position_ids=position + j,
-                                     cache=cache, use_cache=True, logits_to_keep=1)
-                    logits = out.logits[:, -1, :].to(torch.float32)
-                else:  # FR-Spec: the decoder stack, then the frequent-vocabulary head on the last hidden state
-                    hidden = stack(input_ids=token, attention_mask=step_mask, position_ids=position + j,
-                                   cache=cache, use_cache=True).last_hidden_state
-                    logits = self.draft_head(hidden[:, -1:, :], self.call_vocab)[:, -1, :]
+                logits = self._draft_logits(token, step_mask, position + j, cache)
                 self.record["draft_exit_layers"].append(router.exit_layer)
                 processed = self.logits_processor(sequence, logits) if len(self.logits_processor) else logits
                 if self.do_sample:
@@ -243,17 +249,42 @@ class ExitPathDrafter(CandidateGenerator):
                 scores.append(processed)
                 if self.eos is not None and int(token) in self.eos:
                     break
-        drafted = len(scores)
         if self.call_vocab is not None:
             self.record["draft_vocab_call_ids"] = int(self.call_vocab.ids.numel())
-        cache.crop(-drafted)  # the drafts' K/V; the verify pass writes the backbone's in their place
-        self._drafted_now = drafted
-        self.record["drafted"] += drafted
-        self.record["draft_passes"] += drafted
-        now = time.perf_counter()
-        self.record["draft_seconds"] += now - start
-        self._verify_start = now
+        cache.crop(-len(scores))  # the drafts' K/V; the verify pass writes the backbone's in their place
         return sequence, torch.stack(scores, dim=1)
+
+    def _draft_logits(self, token, mask, position, cache) -> torch.Tensor:
+        """``float32 [1, vocab]`` logits of one draft pass of ``token`` (``[1, 1]``) at ``position``:
+        the model through its exit head, or with FR-Spec (``draft_head``) the decoder stack and the
+        frequent-vocabulary head on the last hidden state."""
+        if self.draft_head is None:
+            out = self.model(input_ids=token, attention_mask=mask, position_ids=position, cache=cache,
+                             use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1, :].to(torch.float32)
+        hidden = self.stack(input_ids=token, attention_mask=mask, position_ids=position, cache=cache,
+                       use_cache=True).last_hidden_state
+        return self.draft_head(hidden[:, -1:, :], self.call_vocab)[:, -1, :]
+
+    def _account(self, candidates, scores, source: str | None, drafted: int):
+        """End the round's draft half: count ``drafted`` candidates of ``source`` (``lookup``,
+        ``exit`` or None: nothing proposed), add the seconds since the round began to the draft
+        time, and start the verify's clock. Returns ``(candidates, scores)``."""
+        now = time.perf_counter()
+        self._verify_start = now
+        if source is None:
+            return candidates, scores
+        self._drafted_now = drafted
+        seconds = now - self._round_start
+        self.record["draft_seconds"] += seconds
+        if source == "lookup":
+            self._lookup_round = True
+            self.record["lookup_drafted"] += drafted
+            self.record["lookup_draft_seconds"] += seconds
+        else:
+            self.record["drafted"] += drafted
+            self.record["draft_passes"] += drafted
+        return candidates, scores
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         """Count the round and adapt k (transformers' "heuristic" schedule, or none)."""
