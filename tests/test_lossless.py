@@ -241,7 +241,7 @@ def test_plain_model_shares_the_backbone_weights_and_gives_the_unmodified_tokens
 
 def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch, tmp_path):
     from river_hf.quant.dense import PrepackedLinear, onednn_available
-    from river_hf.river import lossless
+    from river_hf.river import verify_kernel
 
     if not onednn_available():
         pytest.skip("no oneDNN in this torch")
@@ -252,18 +252,18 @@ def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch, 
     base.generation_config.pad_token_id = 0
     need = sum(m.weight.numel() * 4 for m in base.modules() if isinstance(m, torch.nn.Linear))
     # too little memory: nothing packed, for 'onednn' a warning, and the reason in river_stats
-    monkeypatch.setattr(lossless, "available_memory_bytes", lambda: need)
+    monkeypatch.setattr(verify_kernel, "available_memory_bytes", lambda: need)
     river = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="onednn"))
     with pytest.warns(UserWarning, match="needs .* GB, more than 50%"):
         river.generate(prompt(), max_new_tokens=8, **GEN)
     info = river.river_stats["lossless"]["verify_kernel"]
     assert info["kernel"] == "torch" and info["packed_bytes"] == 0 and "memory available" in info["why"]
     # enough memory, 'auto': one measurement on the most common backbone shape (the MLP's), not the head
-    monkeypatch.setattr(lossless, "available_memory_bytes", lambda: 100 * need)
+    monkeypatch.setattr(verify_kernel, "available_memory_bytes", lambda: 100 * need)
     timed = []
     prompt_winner = {"torch": 2.0, "onednn": 1.0}
     monkeypatch.setattr(PrepackedLinear, "measure", staticmethod(
-        lambda i, o, rows, **kw: timed.append((i, o, rows)) or (dict(prompt_winner) if rows == lossless.PROMPT_TIMED_ROWS
+        lambda i, o, rows, **kw: timed.append((i, o, rows)) or (dict(prompt_winner) if rows == verify_kernel.PROMPT_TIMED_ROWS
                                                                 else {"torch": 2.0, "onednn": 1.0})))
     monkeypatch.delenv("RIVER_HF_AUTOTUNE", raising=False)
     monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path))  # the one tuner's kernels.json, not the user's
@@ -272,7 +272,7 @@ def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch, 
     assert torch.equal(river.generate(ids, max_new_tokens=8, **GEN), base.generate(ids, max_new_tokens=8, **GEN))
     head = base.get_output_embeddings()
     # the verify rows, then (oneDNN won there) the prompt rows, on the same shape; never the head
-    assert [t[2] for t in timed] == [8, lossless.PROMPT_TIMED_ROWS] and timed[0][:2] != (head.in_features, head.out_features)
+    assert [t[2] for t in timed] == [8, verify_kernel.PROMPT_TIMED_ROWS] and timed[0][:2] != (head.in_features, head.out_features)
     shapes = [(m.in_features, m.out_features) for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     assert timed[0][:2] == timed[1][:2] == max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1]) == (64, 96)
     info = river.river_stats["lossless"]["verify_kernel"]
@@ -287,7 +287,7 @@ def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch, 
     from river_hf.quant.autotune import read_cache
 
     dense = sorted(e["rows"] for e in read_cache(tmp_path / "kernels.json")[0].values() if "rows" in e)
-    assert dense == [8, lossless.PROMPT_TIMED_ROWS]  # (beside the exit kernels' one-row entries)
+    assert dense == [8, verify_kernel.PROMPT_TIMED_ROWS]  # (beside the exit kernels' one-row entries)
     river_copy(base, config=RiverConfig(lossless=True, verify_kernel="auto")).generate(prompt(), max_new_tokens=8, **GEN)
     assert len(timed) == 2
     # where F.linear wins at the prompt's rows, prompt passes stay on it: only verify rows are rerouted

@@ -49,3 +49,16 @@ def test_old_import_paths_still_work():
 
     assert serialization.river_class is river_class and callable(enable_river)
     assert isinstance(default_config(), RiverConfig)
+
+
+def test_only_layer_py_reads_the_routers_thread_local():
+    """The router's per-thread state (``RiverRouter._local``: the pass in flight and the
+    overrides) is layer.py's own; a generate call's state is its ``GenerateCall``, reached through
+    ``router.current_call``."""
+    package = RIVER.parent
+    readers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
+                     if p != RIVER / "layer.py"
+                     and any(isinstance(n, ast.Attribute) and n.attr == "_local" for n in ast.walk(ast.parse(p.read_text()))))
+    assert not readers, f"{readers} read a RiverRouter's private _local; use router.current_call or a router method"
+    assert any(isinstance(n, ast.Attribute) and n.attr == "_local"
+               for n in ast.walk(ast.parse((RIVER / "layer.py").read_text())))  # (the check can see one)

@@ -11,7 +11,7 @@ _EXPORTS = {
     "state_transition_similarity": ".controllers",
     "RiverLayer": ".layer",
     "RiverRouter": ".layer",
-    "exit_modules": ".layer",
+    "exit_modules": ".wrapping",
     "SUPPORTED_MODEL_TYPES": ".arch",
     "RiverConfig": ".config",
     "default_config": ".config",

@@ -396,19 +396,22 @@ def _refuse_compile() -> None:
 def _register_verify_hooks(model: nn.Module, router: RiverRouter) -> list:
     """Around each forward of the whole model: a lossless call's backbone passes (prefill,
     verify; not the drafts, which run in ``route`` mode) run inside its verify kernel mode
-    (:func:`river_hf.river.lossless.verify_mode`), the LM head included. The exit hook runs even
-    when the forward raises, so no mode is left entered."""
+    (``GenerateCall.verify_linear``, :func:`river_hf.river.verify_kernel.verify_mode`), the LM head
+    included. The exit hook runs even when the forward raises, so no mode is left entered. A
+    forward outside a ``generate`` call (``router.current_call`` None) enters nothing."""
 
     def enter(module, args, kwargs):
-        local = router._local
-        mode = local.verify_linear if router.mode == LOSSLESS else None
+        call = router.current_call
+        if call is None:
+            return
+        mode = call.verify_linear if router.mode == LOSSLESS else None
         if mode is not None:
             mode.__enter__()
-        local.entered.append(mode)
+        call.kernel_modes.append(mode)
 
     def leave(module, args, kwargs, output=None):
-        local = router._local
-        mode = local.entered.pop() if local.entered else None
+        call = router.current_call
+        mode = call.kernel_modes.pop() if call is not None and call.kernel_modes else None
         if mode is not None:
             mode.__exit__(None, None, None)
 

@@ -8,7 +8,8 @@ a token that left the backbone early still leaves complete KV for every later to
 
 The LM head is wrapped the same way (:class:`RiverHead`): a step whose forward pass left the
 backbone reads its logits through the quantized *exit head*, a step that stayed on the backbone
-through the original head (so τ > 1 stays token-identical to the unmodified model).
+through the original head (so τ > 1 stays token-identical to the unmodified model). Both wrappers
+speak the architecture's names (``state_dict``, ``named_modules``; :mod:`.wrapping`).
 
 One :class:`RiverRouter` per model holds the exit decision of the forward pass in flight, per thread
 (the state of one call lives with that call, not on the shared model).
@@ -31,6 +32,7 @@ from torch import nn
 from .controllers import ExitRuleList
 from .rows import rows_kwargs, splittable, take_rows
 from .strategies import ExitStrategy, get_strategy
+from .wrapping import ReadsThroughToBackbone, exit_modules
 
 __all__ = ["RiverRouter", "RiverLayer", "RiverHead", "exit_modules", "ROUTE", "BACKBONE_ONLY", "EXIT_ONLY", "LOSSLESS", "MODES",
            "PREFILL_POLICIES"]
@@ -50,9 +52,10 @@ _EXIT_LAYERS = get_strategy("river")
 
 class _ThreadState(threading.local):
     """What one thread's calls into a River model hold: the pass in flight, the overrides of the
-    calls it is inside (``river_mode``, a per-call τ), and the log of the call being recorded.
-    A fresh instance per thread, so two threads that generate on one model never see each other's
-    routing decisions (``threading.local``)."""
+    calls it is inside (``river_mode``, a per-call τ), the log of the call being recorded, and
+    which ``generate`` call is in flight (its :class:`~river_hf.river.call.GenerateCall`, through
+    :attr:`RiverRouter.current_call`). A fresh instance per thread, so two threads that generate on
+    one model never see each other's routing decisions (``threading.local``)."""
 
     def __init__(self):
         self.mode: str | None = None  # override of the router's mode (river_mode), None: the router's own
@@ -62,11 +65,8 @@ class _ThreadState(threading.local):
         self.full_depth = False  # the next pass runs every layer (Recompute's re-fed pass)
         self.log: list | None = None  # the recording call's pass log, None: nothing records
         self.next_mask = None
-        self.lossless_record = None  # the statistics dict of the lossless generate call in flight
-        self.first_stop = None  # that call's FirstStop stopping criteria (lossless.py)
+        self.call = None  # the GenerateCall in flight (RiverRouter.calling), None: no generate call
         self.stats = None  # river_summary of this thread's last generate call
-        self.verify_linear = None  # a lossless call's kernel mode for its backbone passes (lossless.py)
-        self.entered: list = []  # kernel modes entered by the forward pre-hook, exited by the forward hook
         self.reset_pass(ROUTE, 0)
 
     def reset_pass(self, mode: str, num_layers: int, strategy: ExitStrategy | None = None) -> None:
@@ -189,6 +189,25 @@ class RiverRouter:
             yield local.log
         finally:
             local.log = old
+
+    @contextlib.contextmanager
+    def calling(self, call):
+        """Within the block, ``call`` (a :class:`~river_hf.river.call.GenerateCall`) is this
+        thread's ``generate`` call in flight (:attr:`current_call`); ``generate`` opens it for its
+        whole duration. Nests: the previous call comes back on exit."""
+        local = self._local
+        old, local.call = local.call, call
+        try:
+            yield call
+        finally:
+            local.call = old
+
+    @property
+    def current_call(self):
+        """This thread's ``generate`` call in flight (a :class:`~river_hf.river.call.GenerateCall`),
+        or None outside one (a bare forward pass): how the generation hooks and the model's forward
+        hooks reach the call's state."""
+        return self._local.call
 
     def remember(self, stats: dict) -> None:
         """Keep ``stats`` as this thread's last call's statistics (and as the model's last)."""
@@ -324,115 +343,7 @@ class RiverRouter:
         return local.token_mask
 
 
-class _ReadsThroughToBackbone(nn.Module):
-    """A wrapper that speaks its backbone's names.
-
-    Attributes the wrapper does not have are looked up on its ``backbone`` (the model's own code
-    reads ``attention_type``, ``layer_idx``, ``weight`` ... from its layers and head).
-
-    The exit copy (the attribute named by ``_EXIT``) is derived state, a quantized copy rebuilt
-    from the backbone, so the wrapper is invisible to the model's names:
-
-    * ``state_dict()`` holds the backbone's entries under the wrapper's own name
-      (``layers.3.self_attn.q_proj.weight``, not ``layers.3.backbone.self_attn.q_proj.weight``)
-      and nothing of the exit copy: the architecture's own keys;
-    * ``load_state_dict`` takes those keys (and the wrapped ``backbone.`` ones) into the backbone,
-      drops entries of the exit copy and does not count the exit copy's tensors as missing;
-    * ``named_modules()`` (and so ``named_parameters()``, ``modules()``, ``parameters()``,
-      ``buffers()`` and PEFT's target matching) gives the backbone's modules under the same
-      names and does not enter the exit copy; ``children()`` does (``to()``, ``eval()`` and
-      ``apply()`` reach it). The copy itself stays reachable as the attribute
-      (:func:`exit_modules` lists the copies' modules).
-    """
-
-    _EXIT = ""  # attribute holding the derived exit copy
-
-    def __init__(self):
-        super().__init__()
-        _hook(self, "register_state_dict_post_hook", "_register_state_dict_hook")(_state_dict_in_backbone_names)
-        _hook(self, "register_load_state_dict_pre_hook", None)(_load_into_backbone)
-        self.register_load_state_dict_post_hook(_exit_copy_not_missing)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in ("backbone", "exit_layer", "exit_head") or "backbone" not in self._modules:
-                raise
-            return getattr(self._modules["backbone"], name)
-
-    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
-        """As ``nn.Module.named_modules``, in the architecture's names: the wrapper, then its
-        backbone under the same name and the backbone's submodules under the names they have in
-        the plain model (``layers.3.self_attn.q_proj``, which ``get_submodule`` resolves through
-        the wrapper); the exit copy's subtree is left out."""
-        if memo is None:
-            memo = set()
-        if self in memo:
-            return
-        if remove_duplicate:
-            memo.add(self)
-        yield prefix, self
-        for name, module in self._modules.items():
-            if module is None or name == self._EXIT:
-                continue
-            yield from module.named_modules(memo, prefix if name == "backbone" else prefix + ("." if prefix else "") + name,
-                                            remove_duplicate)
-
-
-def _hook(module: nn.Module, public: str, older: str | None):
-    """``module``'s hook registration method ``public`` (torch >= 2.5 for the state-dict post-hook),
-    else its older name (same hook signature)."""
-    method = getattr(module, public, None)
-    if method is not None:
-        return method
-    if older is not None:
-        return getattr(module, older)
-    return lambda hook: module._register_load_state_dict_pre_hook(hook, with_module=True)
-
-
-def _state_dict_in_backbone_names(module, state_dict, prefix: str, local_metadata) -> None:
-    """State-dict post-hook: ``prefix + "backbone." + k`` -> ``prefix + k``; exit-copy entries
-    dropped. Entries keep their order."""
-    inner, derived = prefix + "backbone.", prefix + module._EXIT + "."
-    moved = [(k, state_dict.pop(k)) for k in [k for k in state_dict if k.startswith(prefix)]]
-    for k, v in moved:
-        if k.startswith(inner):
-            state_dict[prefix + k[len(inner):]] = v
-        elif not k.startswith(derived):
-            state_dict[k] = v
-    meta = getattr(state_dict, "_metadata", None)
-    if meta is not None:  # module versions, keyed by module name
-        for k in [k for k in meta if k.startswith(prefix)]:
-            if k == inner[:-1] or k.startswith(inner):
-                meta[(prefix + k[len(inner):]).rstrip(".")] = meta.pop(k)
-            elif k == derived[:-1] or k.startswith(derived):
-                del meta[k]
-
-
-def _load_into_backbone(module, state_dict, prefix: str, local_metadata, strict, missing_keys, unexpected_keys,
-                        error_msgs) -> None:
-    """Load-state-dict pre-hook: the architecture's keys (``prefix + k``) go to the backbone
-    (``prefix + "backbone." + k``); exit-copy entries are dropped (the copy is rebuilt from the
-    backbone). Changes the dict load_state_dict hands this module's children, not the caller's."""
-    inner, derived = prefix + "backbone.", prefix + module._EXIT + "."
-    for k in [k for k in state_dict if k.startswith(prefix)]:
-        if k.startswith(derived):
-            del state_dict[k]
-        elif not k.startswith(inner):
-            state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
-    module.__dict__["_river_load_prefix"] = prefix
-
-
-def _exit_copy_not_missing(module, incompatible_keys) -> None:
-    """Load-state-dict post-hook: the exit copy's tensors are not missing keys (derived state)."""
-    prefix = module.__dict__.pop("_river_load_prefix", None)
-    if prefix is not None:
-        derived = prefix + module._EXIT + "."
-        incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if not k.startswith(derived)]
-
-
-class RiverLayer(_ReadsThroughToBackbone):
+class RiverLayer(ReadsThroughToBackbone):
     """A decoder layer that runs its backbone, or, once the router has exited, what the strategy in
     force says (River: its exit copy; a baseline of :mod:`.strategies`: nothing, K/V only, ...).
 
@@ -494,7 +405,7 @@ class RiverLayer(_ReadsThroughToBackbone):
 
 
 
-class RiverHead(_ReadsThroughToBackbone):
+class RiverHead(ReadsThroughToBackbone):
     """The LM head, routed: the original head (``backbone``) for a pass that stayed on the backbone,
     the quantized ``exit_head`` for a pass that left it (or when ``exit_head`` is None, the original
     head always). Called like the head: ``[batch, tokens, hidden]`` -> ``[batch, tokens, vocab]``.
@@ -526,13 +437,3 @@ class RiverHead(_ReadsThroughToBackbone):
         out_e = self.exit_head(hidden_states.index_select(0, rows_e))
         logits = out_b.new_empty((hidden_states.shape[0], *out_b.shape[1:]))
         return logits.index_copy_(0, rows_b, out_b).index_copy_(0, rows_e, out_e.to(out_b.dtype))
-
-
-def exit_modules(model: nn.Module):
-    """Yield ``(name, module)`` for every module of ``model``'s exit copies (the exit layers and
-    the exit head, and their submodules), named as attributes reach them
-    (``model.layers.0.exit_layer.self_attn.q_proj``): what ``model.named_modules()`` leaves out."""
-    for name, module in model.named_modules():
-        exit_copy = getattr(module, module._EXIT, None) if isinstance(module, _ReadsThroughToBackbone) else None
-        if exit_copy is not None:
-            yield from exit_copy.named_modules(prefix=f"{name}.{module._EXIT}" if name else module._EXIT)

@@ -67,9 +67,9 @@ class BatchPlan:
     do_sample: bool
     processors: LogitsProcessorList
 
-    def generate(self, model, record: dict) -> torch.Tensor:
+    def generate(self, model, call) -> torch.Tensor:
         """The call's output, ``LongTensor [B, prompt + new]`` (see :func:`generate_batch`)."""
-        return generate_batch(model, self, record)
+        return generate_batch(model, self, call)
 
 
 @dataclass
@@ -114,7 +114,7 @@ def _is_eos(plan: BatchPlan, tokens: torch.Tensor) -> torch.Tensor:
     return torch.isin(tokens, torch.tensor(sorted(plan.eos), device=tokens.device))
 
 
-def _prefill(model, plan: BatchPlan) -> _State:
+def _prompt_pass(model, plan: BatchPlan) -> _State:
     """The prompt on the backbone (lossless mode keeps it there) and the first new token."""
     ids, mask = plan.input_ids, plan.attention_mask.long()
     cache = RiverCache(config=model.config.get_text_config(decoder=True))
@@ -126,13 +126,13 @@ def _prefill(model, plan: BatchPlan) -> _State:
     return _State(torch.cat([ids, first], -1), torch.cat([mask, torch.ones_like(first)], -1), cache, new, done)
 
 
-def _draft(model, state: _State, k: int, plan: BatchPlan, record: dict):
+def _draft(model, state: _State, k: int, plan: BatchPlan, call):
     """Up to ``k`` drafts per row through the exit path, their K/V cropped again.
 
     Returns ``(drafts LongTensor [B, j], q float32 [B, j, V] or None)``, j <= k (fewer when every
     live row drafted an EOS)."""
-    settings = getattr(model.river._local, "draft_settings", None) or {}
-    mode = EXIT_ONLY if settings.get("draft_path") == "exit" else ROUTE
+    settings, record = call.draft_settings, call.record
+    mode = EXIT_ONLY if call.draft_path == "exit" else ROUTE
     live = (~state.done).long()[:, None]
     mask, token = _pass_mask(state), state.ids[:, -1:]
     drafts, qs = [], []
@@ -215,7 +215,7 @@ def _advance(state: _State, plan: BatchPlan, drafts: torch.Tensor, n: torch.Tens
     state.done |= emitted_eos.any(-1) | (plan.input_ids.shape[1] + state.new >= plan.max_length)
 
 
-def _output(state: _State, plan: BatchPlan) -> torch.Tensor:
+def _sequences(state: _State, plan: BatchPlan) -> torch.Tensor:
     """``[B, prompt + new]``: the prompts as given, each row's real new tokens, then padding."""
     n = plan.input_ids.shape[1]
     width = int(state.new.max())
@@ -227,33 +227,33 @@ def _output(state: _State, plan: BatchPlan) -> torch.Tensor:
     return out
 
 
-def generate_batch(model, plan: BatchPlan, record: dict) -> torch.Tensor:
-    """Lossless decoding of a batch with ``model`` (a River model in lossless mode, inside
+def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
+    """Lossless decoding of a batch with ``model`` (a River model in lossless mode) for ``call``,
+    its :class:`~river_hf.river.call.GenerateCall` (prepared by
     :func:`~river_hf.river.lossless.lossless_call`, which sets the draft settings).
 
     Returns ``LongTensor [B, prompt + new]``: the plain model's tokens per row (greedy: identical;
     sampling: the same distribution), rows padded with ``plan.pad_token_id`` after their EOS.
-    ``record`` gets the call's statistics counted per row (``rounds``: live rows per verify pass,
+    ``call.record`` gets the call's statistics counted per row (``rounds``: live rows per verify pass,
     ``drafted``, ``accepted``), ``verify_passes``, ``batch_size`` and the draft/verify seconds.
     """
-    config = model.river_config
+    config, record = model.river_config, call.record
     for key in ("rounds", "drafted", "accepted", "draft_passes", "verify_passes"):
         record.setdefault(key, 0)
     for key in ("draft_seconds", "verify_seconds", "exit_verify_seconds"):
         record.setdefault(key, 0.0)
     record.setdefault("draft_exit_layers", [])
-    record.update(batch_size=plan.input_ids.shape[0], draft_path=(getattr(model.river._local, "draft_settings", None)
-                                                                  or {}).get("draft_path", "route"))
+    record.update(batch_size=plan.input_ids.shape[0], draft_path=call.draft_path)
     k = config.draft_tokens
     with torch.no_grad():
-        state = _prefill(model, plan)
+        state = _prompt_pass(model, plan)
         while not bool(state.done.all()):
             start = time.perf_counter()
             live = ~state.done
             room = plan.max_length - plan.input_ids.shape[1] - state.new - 1  # drafts a row may still accept
             k_round = max(0, min(k, int(room[live].max())))
             if k_round:
-                drafts, q = _draft(model, state, k_round, plan, record)
+                drafts, q = _draft(model, state, k_round, plan, call)
             else:
                 drafts, q = state.ids.new_zeros((state.ids.shape[0], 0)), None
             verify_start = time.perf_counter()
@@ -269,7 +269,7 @@ def generate_batch(model, plan: BatchPlan, record: dict) -> torch.Tensor:
             record["verify_passes"] += 1
             if drafts.shape[1]:
                 k = _judge_round(record, config, k, n[live], limit[live])
-    return _output(state, plan)
+    return _sequences(state, plan)
 
 
 def _judge_round(record: dict, config, k: int, n: torch.Tensor, limit: torch.Tensor) -> int:

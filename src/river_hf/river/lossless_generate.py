@@ -22,7 +22,8 @@ import torch
 from ..compat import eos_token_ids, logits_processors, prepare_generation_config, prepare_lengths
 from ..errors import RiverError
 from .layer import LOSSLESS
-from .lossless import ExitPathDrafter, FirstStop
+from .drafter import ExitPathDrafter
+from .lossless import FirstStop
 from .lossless_batch import HISTORY_FREE, BatchPlan
 
 __all__ = ["OTHER_DRAFTERS", "BATCH_FALLBACK_ARGS", "BATCH_FALLBACK_SETTINGS", "can_draft", "batch_plan", "drafter",
@@ -134,26 +135,32 @@ def batch_plan(model, args: tuple, kwargs: dict, gen_config, prompt):
                      pad_token_id=int(pad), do_sample=bool(config.do_sample), processors=processors), []
 
 
+def _lossless_call(model):
+    """The lossless :class:`~river_hf.river.call.GenerateCall` in flight on ``model`` (this
+    thread's), or None: no call, another mode, or a call that cannot draft."""
+    call = model.river.current_call
+    return call if call is not None and call.lossless and model.river.mode == LOSSLESS else None
+
+
 def drafter(model, generation_config, logits_processor) -> ExitPathDrafter | None:
     """In a lossless call of ``model``, River's :class:`ExitPathDrafter` with the settings of
-    ``model.river_config``; None otherwise (transformers then makes its own choice)."""
-    record = model.river._local.lossless_record
-    if record is None or model.river.mode != LOSSLESS:
+    ``model.river_config`` and of the call (its record and draft settings); None otherwise
+    (transformers then makes its own choice)."""
+    call = _lossless_call(model)
+    if call is None:
         return None
     config = model.river_config
-    settings = getattr(model.river._local, "draft_settings", None) or {}
     return ExitPathDrafter(model, generation_config, logits_processor, draft_tokens=config.draft_tokens,
-                           schedule=config.draft_schedule, record=record,
+                           schedule=config.draft_schedule, record=call.record,
                            prompt_lookup_tokens=config.prompt_lookup_tokens,
-                           max_draft_tokens=config.max_draft_tokens, **settings)
+                           max_draft_tokens=config.max_draft_tokens, **call.draft_settings)
 
 
 def first_stop(model, criteria):
     """In a lossless call of ``model``, ``criteria`` wrapped in :class:`FirstStop` (asked token by
-    token over each round, so a stop string inside a round stops there) and remembered for the
-    cut after the loop; else ``criteria`` itself."""
-    local = model.river._local
-    if local.lossless_record is not None and model.river.mode == LOSSLESS:
-        criteria = FirstStop(criteria)
-        local.first_stop = criteria
+    token over each round, so a stop string inside a round stops there) and left on the call
+    (``GenerateCall.first_stop``) for the cut after the loop; else ``criteria`` itself."""
+    call = _lossless_call(model)
+    if call is not None:
+        criteria = call.first_stop = FirstStop(criteria)
     return criteria

@@ -39,6 +39,7 @@ from .build import KEEP as _KEEP
 from .build import (build_exit_path, check_min_layer, check_supported, disable_river, refresh_exit_layers,  # noqa: F401
                     settings_for, warn_negative_taus)
 from .cache import RiverCache
+from .call import GenerateCall
 from .config import CONFIG_DIR, RIVER_SETTINGS, RiverConfig, default_config, river_settings
 from .controllers import ExitRuleList
 from .layer import BACKBONE_ONLY, LOSSLESS, ROUTE, RiverHead, RiverLayer
@@ -229,8 +230,7 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
                 f"lossless mode drafts with River's exit layers, but strategy {self.river.strategy.name!r} is in force; "
                 "use strategy 'river' for lossless mode, or route mode (river_mode('route')) for the baseline")
         prompt = _prompt_ids(args, kwargs)
-        record: dict = {}
-        local = self.river._local
+        call = GenerateCall()  # this call's state; the hooks find it through router.current_call
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.river_tau_override(river_tau, stacklevel=3))
             plan = can_draft(self, kwargs, gen_config, prompt, args=args) if lossless else None
@@ -238,16 +238,16 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
                 lossless = False
                 stack.enter_context(self.river.override(mode=BACKBONE_ONLY))
             mode = self.river.mode
+            stack.enter_context(self.river.calling(call))
             log = stack.enter_context(self.river.recording())
             if lossless:
-                stack.enter_context(lossless_call(self, record))
+                stack.enter_context(lossless_call(self, call))
                 if plan is True:  # one sequence: transformers' assisted decoding, the drafter is River's
                     kwargs["assistant_model"] = self
             start = time.perf_counter()
-            out = plan.generate(self, record) if isinstance(plan, BatchPlan) else super().generate(*args, **kwargs)
+            out = plan.generate(self, call) if isinstance(plan, BatchPlan) else super().generate(*args, **kwargs)
             seconds = time.perf_counter() - start
-            stop = local.first_stop if lossless else None
-            local.first_stop = None
+        stop = call.first_stop
         if stop is not None:  # a criterion fired inside the last round: cut there (see FirstStop)
             out = cut_at_stop(out, stop.stop_at, prompt.shape[1] if prompt is not None else 0)
         sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
@@ -255,7 +255,7 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
         if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
             new_tokens = sequences.shape[0] * (sequences.shape[1] - (prompt.shape[1] if prompt is not None else 0))
         stats = self.river_summary(seconds, log=log, start=start, new_tokens=new_tokens,
-                                   lossless=record if lossless else None)
+                                   lossless=call.record if lossless else None)
         stats["mode"] = mode
         stats["strategy"] = self.river.strategy.name
         if rebuilt:

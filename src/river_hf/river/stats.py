@@ -10,7 +10,7 @@ per forward pass), the model's weight bytes per decode step (``_river_step_bytes
 from __future__ import annotations
 
 from .layer import EXIT_ONLY, LOSSLESS
-from .lossless import ExitPathDrafter
+from .drafter import ExitPathDrafter
 
 __all__ = ["summarize", "kernel_groups"]
 

@@ -1,0 +1,189 @@
+"""The kernel of lossless mode's backbone passes (:func:`verify_mode`) and the unit its costs are
+counted in (:func:`backbone_step_seconds`).
+
+A lossless call's verify passes (k + 1 rows) and its prompt pass run on the backbone; on fp32 CPU
+models their Linears may run through :class:`river_hf.quant.dense.PrepackedLinear` (oneDNN on a
+prepacked copy of the weights) where that measured faster and the copy fits in memory
+(``RiverConfig.verify_kernel``). :func:`verify_mode` decides once per model and refreshes the copy
+on every call; the call holds the result (``GenerateCall.verify_linear``) and the model's forward
+hooks enter it around backbone passes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from ..quant.dense import PrepackedLinear, onednn_available
+from .layer import BACKBONE_ONLY
+
+__all__ = ["verify_mode", "backbone_step_seconds", "available_memory_bytes", "PACK_MEMORY_SHARE",
+           "PROMPT_TIMED_ROWS", "PROMPT_MAX_ROWS"]
+
+
+_PACK_LOCK = threading.Lock()
+PACK_MEMORY_SHARE = 0.5  # the packed copy may take at most this share of the memory available when it is built
+#: rows at which ``auto`` times prompt passes (a prompt of a few sentences or a short function) ...
+PROMPT_TIMED_ROWS = 128
+#: ... and the most rows a prompt pass reroutes to the packed copy when oneDNN won there
+PROMPT_MAX_ROWS = 1 << 20
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel says is available now (``MemAvailable`` of ``/proc/meminfo``, bytes), or
+    None where it cannot be read (then River does not pack)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _representative_shape(linears, head) -> tuple[int, int]:
+    """``(in_features, out_features)`` of the backbone Linear shape that holds the most weight bytes
+    in total (an MLP projection in every model here), the LM head left out: timing it costs a few
+    copies of one layer's product, not of a 0.5-3.7 GB head."""
+    totals: dict[tuple[int, int], int] = {}
+    for m in linears:
+        if m is head:
+            continue
+        shape = (m.in_features, m.out_features)
+        totals[shape] = totals.get(shape, 0) + m.weight.numel()
+    if not totals:
+        return head.in_features, head.out_features
+    return max(totals, key=totals.get)
+
+
+def verify_mode(model, choice: str, rows: int):
+    """The ``TorchFunctionMode`` the verify passes of ``model`` run in (or None: plain ``F.linear``)
+    and a dict saying why (``model._river_verify_linear[1]``, reported in ``river_stats["lossless"]
+    ["verify_kernel"]``).
+
+    ``choice`` is ``RiverConfig.verify_kernel``; ``rows`` the most rows a verify pass runs
+    (``max_draft_tokens + 1``). The decision is taken once per model (the first lossless call):
+
+    - ``torch``, no oneDNN in this torch, or no fp32 CPU backbone Linear: no packing.
+    - The packed copy (as many bytes as the fp32 backbone Linears, the LM head included) must fit:
+      it is built only when it takes at most :data:`PACK_MEMORY_SHARE` of the memory available
+      (``/proc/meminfo``) at that moment; otherwise plain ``F.linear`` is used and a warning says so,
+      for ``onednn`` too.
+    - ``auto`` first times ``F.linear`` against oneDNN on the backbone's most common Linear shape
+      (an MLP projection, not the LM head) at ``min(rows, 8)`` rows and packs only when oneDNN was
+      faster (``RIVER_HF_AUTOTUNE=0``: no measurement, no packing).
+    - The prompt pass (prefill) is a backbone pass too: once the copy is packed, ``auto`` also times
+      the two at :data:`PROMPT_TIMED_ROWS` rows, and where oneDNN wins there the mode reroutes
+      calls of up to :data:`PROMPT_MAX_ROWS` rows, so the prompt is read through the packed copy
+      as well (on the 2-core AMD EPYC Zen 5, 0.5B: time to first token 0.88 s on ``F.linear``,
+      0.41 s for the plain model on the packed copy); ``onednn`` always does. ``info["prompt"]``
+      says which. The timing goes through
+      :meth:`river_hf.quant.autotune.KernelTuner.choose_mode`: cached in ``kernels.json`` with the
+      exit kernels' timings, so a second process on this machine measures nothing.
+
+    Every later call only :meth:`~river_hf.quant.dense.PrepackedLinear.refresh` es the copy: weights
+    changed since they were packed (``load_state_dict``, ``param.data = ...``, a PEFT merge) are
+    repacked, so a verify always computes with the model's current weights. Opt out with
+    ``RiverConfig(verify_kernel="torch")``.
+
+    Returns:
+        ``(mode or None, info)``; ``info`` has ``kernel`` (``onednn-prepacked`` or ``torch``),
+        ``why``, ``packed_bytes`` (memory the copy adds, bytes), ``timing_us`` (the measurement, or
+        None), ``shape`` (the timed ``in x out``), ``max_rows`` (the verify rows), ``prompt`` (the
+        kernel of prompt passes, ``onednn-prepacked`` or ``torch``), ``prompt_timing_us`` (its
+        measurement at :data:`PROMPT_TIMED_ROWS` rows, or None) and ``repacked`` (weights repacked
+        by this call's refresh).
+    """
+    info = {"kernel": "torch", "why": "", "packed_bytes": 0, "timing_us": None, "shape": None,
+            "max_rows": rows, "prompt": "torch", "prompt_timing_us": None, "repacked": 0}
+    if choice == "torch":
+        return None, {**info, "why": "verify_kernel='torch'"}
+    if not onednn_available():
+        return None, {**info, "why": "this torch build has no oneDNN"}
+    with _PACK_LOCK:
+        cached = model.__dict__.get("_river_verify_linear")
+        if cached is None:
+            cached = _decide_verify_kernel(model, choice, rows, dict(info))
+            model._river_verify_linear = cached
+        mode, decided = cached
+        info = dict(decided)
+        if mode:
+            info["repacked"] = mode.refresh()
+            info["packed_bytes"] = mode.packed_bytes
+        return mode or None, info
+
+
+def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
+    import warnings
+
+    from ..quant.autotune import LinearSpec, default_tuner, last_level_cache_bytes  # default_tuner(): None when RIVER_HF_AUTOTUNE=0
+
+    head = model.get_output_embeddings()
+    head = getattr(head, "backbone", head)
+    linears = [m for m in model.river_backbone_modules() if isinstance(m, torch.nn.Linear)
+               and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    if not linears:
+        return False, {**info, "why": "no fp32 CPU backbone Linear"}
+    need = sum(m.weight.numel() * 4 for m in linears)
+    available = available_memory_bytes()
+    if available is None or need > PACK_MEMORY_SHARE * available:
+        have = "unknown" if available is None else f"{available / 1e9:.1f} GB"
+        why = (f"a packed copy of the backbone Linears needs {need / 1e9:.2f} GB, more than "
+               f"{PACK_MEMORY_SHARE:.0%} of the memory available ({have}): verify passes use F.linear")
+        if choice == "onednn":
+            warnings.warn(f"River lossless verify_kernel='onednn': {why}", UserWarning, stacklevel=4)
+        return False, {**info, "why": why}
+    if choice == "auto":
+        tuner = default_tuner()
+        if tuner is None:
+            return False, {**info, "why": "RIVER_HF_AUTOTUNE=0: not measured, not packed"}
+        k_in, k_out = _representative_shape(linears, head)
+        stream = min(2 * last_level_cache_bytes(), int(0.1 * available))
+
+        def faster(timed_rows: int) -> tuple[str, dict]:  # F.linear or oneDNN at that many rows (cached)
+            return tuner.choose_mode(LinearSpec(k_in, k_out, False), timed_rows, ("torch", "onednn"),
+                                     lambda: PrepackedLinear.measure(k_in, k_out, timed_rows, stream_bytes=stream))
+
+        best, timing = faster(max(2, min(rows, 8)))
+        info.update(timing_us=timing, shape=f"{k_in}x{k_out}")
+        if best != "onednn":
+            return False, {**info, "why": "F.linear measured faster than prepacked oneDNN"}
+        info["why"] = "prepacked oneDNN measured faster than F.linear"
+        best, info["prompt_timing_us"] = faster(PROMPT_TIMED_ROWS)
+        prompt = best == "onednn"
+    else:
+        info["why"] = "verify_kernel='onednn'"
+        prompt = True
+    mode = PrepackedLinear(linears, max_rows=PROMPT_MAX_ROWS if prompt else max(2, rows))
+    return mode, {**info, "kernel": "onednn-prepacked", "packed_bytes": mode.packed_bytes,
+                  "prompt": "onednn-prepacked" if prompt else "torch"}
+
+
+def backbone_step_seconds(model, repeats: int = 3) -> float:
+    """Seconds of one one-token decode pass of ``model``'s backbone (the unit of the lossless
+    costs in ``river_stats["lossless"]``): the median of ``repeats`` passes on a fresh cache after
+    one untimed pass, in ``backbone`` mode, plain kernels. Measured on the first lossless call of a
+    model and kept (``_river_backbone_step``); about ``repeats + 1`` decode steps once."""
+    cached = model.__dict__.get("_river_backbone_step")
+    if cached is not None:
+        return cached
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+    times = []
+    # its own recording: these passes are not the call's, so they stay out of its river_stats
+    # (forward passes, weight bytes per token, GB/s)
+    with model.river.recording(), model.river.override(mode=BACKBONE_ONLY), torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            model(input_ids=ids, position_ids=torch.full((1, 1), i, dtype=torch.long, device=device), cache=cache,
+                  use_cache=True, logits_to_keep=1)
+            times.append(time.perf_counter() - start)
+    value = sorted(times[1:])[len(times[1:]) // 2]
+    model._river_backbone_step = value
+    return value
