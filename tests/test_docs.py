@@ -34,6 +34,31 @@ def _lines(path):
             yield number, line
 
 
+def _anchors(path):
+    """GitHub's heading anchors of a Markdown file: lower case, punctuation dropped, spaces to '-'."""
+    return {
+        re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for _, line in _lines(path)
+        if line.startswith("#")
+    }
+
+
+def _broken_links(path):
+    """'file:line: target' for each relative link of path whose file or heading anchor is missing."""
+    broken = []
+    for number, line in _lines(path):
+        for target in LINK.findall(line):
+            if EXTERNAL.match(target):
+                continue
+            file_part, _, anchor = target.partition("#")
+            linked = path.parent / file_part if file_part else path
+            if not linked.exists():
+                broken.append(f"{path.relative_to(ROOT)}:{number}: {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                broken.append(f"{path.relative_to(ROOT)}:{number}: {target} (no such heading)")
+    return broken
+
+
 def test_docs_exist():
     assert len(DOCS) > 5, DOCS
     assert all(path.is_file() for path in DOCS)
@@ -50,30 +75,15 @@ def test_no_machine_names_or_dates():
 
 
 def test_relative_links_resolve():
-    broken = []
-    checked = 0
-    for path in DOCS:
-        for number, line in _lines(path):
-            for target in LINK.findall(line):
-                if EXTERNAL.match(target) or target.startswith("#"):
-                    continue
-                file_part = target.split("#", 1)[0]
-                checked += 1
-                if not (path.parent / file_part).exists():
-                    broken.append(f"{path.relative_to(ROOT)}:{number}: {target}")
+    checked = sum(len(LINK.findall(line)) for path in DOCS for _, line in _lines(path))
     assert checked > 20, checked
+    broken = [entry for path in DOCS for entry in _broken_links(path)]
     assert not broken, "broken relative links:\n" + "\n".join(broken)
 
 
 def test_archive_links_resolve():
     """The archived measurement files keep working links too."""
-    archive = ROOT / "docs" / "results" / "archive"
-    broken = []
-    for path in sorted(archive.glob("*.md")):
-        for number, line in _lines(path):
-            for target in LINK.findall(line):
-                if EXTERNAL.match(target) or target.startswith("#"):
-                    continue
-                if not (path.parent / target.split("#", 1)[0]).exists():
-                    broken.append(f"{path.relative_to(ROOT)}:{number}: {target}")
+    archive = sorted((ROOT / "docs" / "results" / "archive").glob("*.md"))
+    assert archive
+    broken = [entry for path in archive for entry in _broken_links(path)]
     assert not broken, "broken relative links:\n" + "\n".join(broken)
