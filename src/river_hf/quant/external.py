@@ -31,7 +31,7 @@ session gets ``intra_op_num_threads = torch.get_num_threads()`` (the calling thr
 many minus one workers), ``inter_op_num_threads = 1``, sequential execution, all graph
 optimizations, and **spinning off** (``session.intra_op.allow_spinning = "0"``): one session per
 Linear means a few hundred sessions in a model, and spinning workers of idle sessions would take
-the cores from torch's threads between the products (docs/river.md has the measurement).
+the cores from torch's threads between the products (docs/results/archive/river-measurements.md has the measurement).
 ``RIVER_HF_ORT_SPINNING=1`` in the environment turns spinning on for sessions created afterwards
 (for measuring it). onnxruntime's one process-wide pool (``set_global_thread_pool_sizes``,
 ``use_per_session_threads = False``) is not used: its workers spin, and measured on the 2-core

@@ -16,7 +16,7 @@ Kernels (``KERNELS``):
         ``in_features`` is not a multiple of 128 (SmolLM2's 576).
     ``torch-int4-g32``: the same kernel with groups of 32 input channels: a quarter more bytes
         (scales and zeros), about half the relative output error of groups of 128 on the
-        Qwen2.5-Coder weights (docs/river.md).
+        Qwen2.5-Coder weights (docs/results/archive/river-measurements.md).
     ``quanto-int4``: optimum-quanto ``qint4`` weights, group size 128, bf16 activations (packed
         int4 kernel where ``in_features % 128 == 0``, a slow dequantizing path elsewhere).
     ``quanto-int8``: optimum-quanto ``qint8`` weights, bf16 activations (quanto dispatches to

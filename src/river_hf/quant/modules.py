@@ -198,7 +198,7 @@ class PromptRowsLinear(KernelModule):
 
     A one-row weight product is bound by reading the weights, a prompt's by arithmetic: tinygemm,
     the fastest one-row int4 kernel inside a decode step here, is 2-3.5x slower than onnxruntime's
-    ``MatMulNBits`` (int8 dot products) at 185 rows (docs/profile.md). Both copies quantize the same
+    ``MatMulNBits`` (int8 dot products) at 185 rows (docs/results/archive/profile-measurements.md). Both copies quantize the same
     weights to the same width and block size (their grids round the zero point differently, and the
     prompt kernel quantizes activations to int8), so a prompt's exit-layer K/V differ from what the
     decode kernel would give by kernel rounding; ``relative_error`` of each is in the kernel report.

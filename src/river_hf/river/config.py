@@ -176,7 +176,7 @@ class RiverConfig:
             own kernel choice (e.g. ``int4:896x1152+bias``). Layers without those names are not
             fused. The backbone is never fused. Off by default: on a loaded 2-core machine it
             did not measure faster end to end (``benchmarks/step_profile.py --fusion``,
-            docs/profile.md); the stacked q/k/v alone was faster.
+            docs/results/archive/profile-measurements.md); the stacked q/k/v alone was faster.
         prompt_kernel: with a measured ``backend`` (``int4``/``int8``), each exit Linear also gets a
             prompt kernel (onnxruntime ``MatMulNBits``, int8 dot products) where that measures faster
             than the one-row kernel at 128 rows: calls of 16 rows or more through the exit layers
