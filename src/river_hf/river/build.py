@@ -116,13 +116,21 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
     announce = progress and plan.tuner is not None and getattr(plan.tuner, "on_measure", False) is None
     if announce:
         plan.tuner.on_measure = _announce_measurement(plan.tuner)
+        if hasattr(plan.tuner, "on_invalid") and plan.tuner.on_invalid is None:
+            plan.tuner.on_invalid = _announce_prior
     try:
         backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, plan, report, progress)
         head_bytes, exit_head_bytes = _wrap_head(model, router, config, plan, report)
     finally:
         if announce:
             plan.tuner.on_measure = None
+            if getattr(plan.tuner, "on_invalid", None) is _announce_prior:
+                plan.tuner.on_invalid = None
     build_seconds = time.perf_counter() - start
+    if progress:
+        for key, (saved, now, why) in sorted(plan.revalidated.items()):
+            tqdm.write(f"[river-hf] the saved kernel choice for {key} ({saved}) came from the prior ranking ({why}); "
+                       f"re-validated on this quiet machine: {now}", file=sys.stderr)
     plan.warn_if_differs(stacklevel=stacklevel + 1)
     if config.prompt_kernel and not any(row.get("prompt_kernel") for row in report):
         _warn_no_prompt_kernel(config, plan, stacklevel + 1)
@@ -181,6 +189,13 @@ def _announce_measurement(tuner):
                    f"once per machine, cached in {where}", file=sys.stderr)
 
     return say
+
+
+def _announce_prior(shape: str, why: str, features: str, kernel: str) -> None:
+    """A KernelTuner ``on_invalid`` callback: one line when a shape's timings were invalid and the
+    prior ranking decided (river_config.kernel_choice marks the shape ``#prior``)."""
+    tqdm.write(f"[river-hf] kernel timings for {shape} look invalid ({why}): using the prior ranking for "
+               f"{features} ({kernel})", file=sys.stderr)
 
 
 def _step_bytes(layers, backbone_bytes: list[int], exit_bytes: list[int], head_bytes: int,
