@@ -151,6 +151,7 @@ class KernelTuner:
         self.invalid: dict[str, str] = {}
         self.on_invalid = None
         self.last_prior: str | None = None
+        self._measured_here: set[str] = set()
         self._choices: dict[str, dict] = {}
         if self.cache_file is not None:
             self._choices, self.invalid, _ = read_cache(self.cache_file)
@@ -221,6 +222,8 @@ class KernelTuner:
         is while it is loaded."""
         key = _key(machine_id(spec.device), spec.shape, spec.dtype_name, spec.bias, names, rows)
         entry = self._choices.get(key)
+        if key in self._measured_here:  # measured (and retried) by this tuner already: as it came out
+            return entry
         load, cpus = load_average(), usable_cpus()  # now: the trust rule's "quiet now", and a new entry's
         why = "not cached" if entry is None else _entry_problem(key, entry) or entry_status(entry, load, cpus)
         if why is None and check is not None and "invalid" not in entry:  # an entry cached before these rules
@@ -236,6 +239,7 @@ class KernelTuner:
                 self.on_measure(spec.shape if rows == 1 else f"{spec.shape} at {rows} rows", spec.dtype_name, why)
             entry = self._measure_checked(spec, rows, names, measure, check)
             self._choices[key] = entry
+            self._measured_here.add(key)
             self.measured += 1
             self._save(key, entry)
         return entry

@@ -36,7 +36,7 @@ import torch
 
 from .kernel_cache import LOADED_LOAD_FACTOR, is_loaded
 
-__all__ = ["TIE_SPREAD", "FLOOR_BANDWIDTH", "FLOOR_FACTOR", "CALL_OVERHEAD_US", "PRIOR_RANKING", "cpu_features",
+__all__ = ["TIE_SPREAD", "FLOOR_BANDWIDTH", "FLOOR_FACTOR", "CALL_OVERHEAD_US", "PRIOR_RANKING", "cpu_features", "features_of",
            "weight_bytes", "invalid_reason", "prior_kernel"]
 
 #: candidates whose slowest is within this share of the fastest were not told apart
@@ -81,6 +81,12 @@ def cpu_features() -> str:
     if not flags:
         capability = torch.backends.cpu.get_cpu_capability().upper()
         flags = {"avx512f", "avx2"} if "AVX512" in capability else {"avx2"} if "AVX2" in capability else set()
+    return features_of(flags)
+
+
+def features_of(flags) -> str:
+    """The :data:`PRIOR_RANKING` key of a CPU with these ``/proc/cpuinfo`` flags."""
+    flags = set(flags)
     if "avx512f" in flags:
         return "AVX-512/AMX" if "amx_tile" in flags else "AVX-512"
     return "AVX2" if "avx2" in flags else "baseline"

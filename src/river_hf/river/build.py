@@ -117,14 +117,14 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
     if announce:
         plan.tuner.on_measure = _announce_measurement(plan.tuner)
         if hasattr(plan.tuner, "on_invalid") and plan.tuner.on_invalid is None:
-            plan.tuner.on_invalid = _announce_prior
+            plan.tuner.on_invalid = say_prior = _announce_prior()
     try:
         backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, plan, report, progress)
         head_bytes, exit_head_bytes = _wrap_head(model, router, config, plan, report)
     finally:
         if announce:
             plan.tuner.on_measure = None
-            if getattr(plan.tuner, "on_invalid", None) is _announce_prior:
+            if getattr(plan.tuner, "on_invalid", None) is locals().get("say_prior"):
                 plan.tuner.on_invalid = None
     build_seconds = time.perf_counter() - start
     if progress:
@@ -191,11 +191,18 @@ def _announce_measurement(tuner):
     return say
 
 
-def _announce_prior(shape: str, why: str, features: str, kernel: str) -> None:
-    """A KernelTuner ``on_invalid`` callback: one line when a shape's timings were invalid and the
-    prior ranking decided (river_config.kernel_choice marks the shape ``#prior``)."""
-    tqdm.write(f"[river-hf] kernel timings for {shape} look invalid ({why}): using the prior ranking for "
-               f"{features} ({kernel})", file=sys.stderr)
+def _announce_prior():
+    """A KernelTuner ``on_invalid`` callback: one line per shape whose timings were invalid, the
+    prior ranking deciding (river_config.kernel_choice marks the shape ``#prior``)."""
+    seen = set()
+
+    def say(shape: str, why: str, features: str, kernel: str) -> None:
+        if (shape, kernel) not in seen:
+            seen.add((shape, kernel))
+            tqdm.write(f"[river-hf] kernel timings for {shape} look invalid ({why}): using the prior ranking for "
+                       f"{features} ({kernel})", file=sys.stderr)
+
+    return say
 
 
 def _step_bytes(layers, backbone_bytes: list[int], exit_bytes: list[int], head_bytes: int,
