@@ -17,7 +17,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from river_hf import RiverForCausalLM, enable_river
-from river_hf.quant import KERNELS, KernelTuner, autotune, get_backend, prior
+from river_hf.cli import main
+from river_hf.quant import KERNELS, KernelTuner, autotune, get_backend, kernel_cache, prior
 from river_hf.quant.autotune import read_cache
 from river_hf.quant.choice import PRIOR_SUFFIX
 
@@ -122,6 +123,13 @@ def test_a_busy_measurement_picks_the_prior_and_caches_nothing_as_measured(machi
     assert len(lines) == len(SHAPES) and all("using the prior ranking for AVX-512 (torch-int4)" in line for line in lines)
     assert any("128x256 look invalid (all candidates within 0.5 %" in line and "bandwidth-floor limit" in line
                for line in lines)
+
+    monkeypatch.setattr(kernel_cache, "load_average", lambda: machine["load"])  # what `river-hf kernels` reads
+    assert main(["kernels", "--list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["entries"]
+    assert all(r["kernel"] == "torch-int4" for r in rows)
+    assert all(("the prior ranking for AVX-512 decides" if load > 2.5 else "the machine is quiet now") in r["status"]
+               for r in rows)
 
     s.calls.clear()  # a second build: the flagged entries serve while loaded, are measured again when quiet
     again = enable_river(tiny_llama(), tau=0.9, backend="int4", exit_head="int4", progress=False)
