@@ -114,6 +114,7 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
         config = dataclasses.replace(config, prompt_kernel=False)  # this build only; the setting is kept
     plan = KernelPlan(tuner or None, config.kernel_choice)  # a saved folder's kernels first, then measured
     announce = progress and plan.tuner is not None and getattr(plan.tuner, "on_measure", False) is None
+    say_prior = None
     if announce:
         plan.tuner.on_measure = _announce_measurement(plan.tuner)
         if hasattr(plan.tuner, "on_invalid") and plan.tuner.on_invalid is None:
@@ -124,7 +125,7 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
     finally:
         if announce:
             plan.tuner.on_measure = None
-            if getattr(plan.tuner, "on_invalid", None) is locals().get("say_prior"):
+            if say_prior is not None and plan.tuner.on_invalid is say_prior:
                 plan.tuner.on_invalid = None
     build_seconds = time.perf_counter() - start
     if progress:
