@@ -17,7 +17,12 @@ median over rounds decides.
 
 Which kernel won for a shape is cached per machine in ``$RIVER_HF_CACHE/kernels.json``, whose
 layout, trust rules and locked merges are :mod:`.kernel_cache` (its names are re-exported here), so
-a second build on the same machine measures nothing. ``river-hf kernels --list`` shows the cache,
+a second build on the same machine measures nothing. A one-row exit-kernel measurement that a busy
+machine made meaningless (all candidates within noise, far above the bandwidth floor, or taken
+under load: :mod:`.prior`) is measured again up to :attr:`KernelTuner.retries` times, then the
+fixed prior ranking for this CPU decides; such an entry is cached flagged ``"invalid"`` (never
+reused as a measurement: measured again at the first build on a quiet machine).
+``river-hf kernels --list`` shows the cache,
 ``river-hf kernels --remeasure [SHAPE ...]`` drops or re-measures it (:mod:`.cli`).
 """
 
@@ -34,6 +39,7 @@ from torch import nn
 from .kernel_cache import (DENSE_MODES, FORMAT_VERSION, LOADED_LOAD_FACTOR, LinearSpec, _entry, _entry_problem,  # noqa: F401
                            _key, entry_status, is_loaded, load_average, machine_id, read_cache, update_cache,
                            usable_cpus)
+from .prior import cpu_features, invalid_reason, prior_kernel, weight_bytes
 
 __all__ = ["KernelTuner", "LinearSpec", "machine_id", "last_level_cache_bytes", "load_average", "usable_cpus",
            "FORMAT_VERSION", "LOADED_LOAD_FACTOR", "is_loaded", "read_cache", "entry_status", "update_cache"]
@@ -88,6 +94,16 @@ def alternating_medians(runs: dict, rounds: int, calls=1, *, sync=None) -> dict[
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _validity_check(spec: LinearSpec, candidates, rows: int):
+    """``(timings, load, cpus) -> why invalid | None`` for a choice among weight-only ``candidates``
+    (:func:`~river_hf.quant.prior.invalid_reason`); None at ``rows`` > 1 (a prompt-kernel choice is
+    bound by arithmetic, not by bytes: no floor applies, and it keeps the load rule of the cache)."""
+    if rows != 1:
+        return None
+    nbytes = min(weight_bytes(spec.in_features, spec.out_features, k.bits) for k in candidates)
+    return lambda timings, load, cpus: invalid_reason(timings, nbytes, load, cpus)
+
+
 class KernelTuner:
     """Measures candidate kernels per Linear shape and remembers the winner.
 
@@ -107,7 +123,17 @@ class KernelTuner:
             measured (River's build prints a line with it when its progress bar is on).
         remeasured: ``{key: why}`` for the cached entries this tuner did not trust and measured again.
         invalid: ``{key: why}`` for the entries of the file that were dropped when it was read.
+        on_invalid: None, or a callable ``(shape, why, feature set, kernel)`` run when a one-row
+            choice's timings are invalid (:mod:`.prior`) and the prior ranking decides instead.
+        last_prior: after :meth:`choose`, ``"<feature set>: <why>"`` when the prior ranking decided
+            that choice, else None (:class:`~river_hf.quant.choice.KernelPlan` records it).
+        retries, retry_pause_s: an invalid measurement is taken again at most ``retries`` times,
+            ``retry_pause_s`` seconds apart (not under load: a 1-minute load average does not
+            change in a second), before the prior ranking decides.
     """
+
+    retries = 2
+    retry_pause_s = 0.5
 
     def __init__(self, cache_file: str | Path | None | bool = None, *, rounds: int = 7, stream_bytes: int | None = None,
                  max_copies: int = 64):
@@ -123,6 +149,9 @@ class KernelTuner:
         self.on_measure = None  # called with (shape, dtype name, why) before a shape is measured
         self.remeasured: dict[str, str] = {}
         self.invalid: dict[str, str] = {}
+        self.on_invalid = None
+        self.last_prior: str | None = None
+        self._measured_here: set[str] = set()
         self._choices: dict[str, dict] = {}
         if self.cache_file is not None:
             self._choices, self.invalid, _ = read_cache(self.cache_file)
@@ -142,11 +171,24 @@ class KernelTuner:
         ``linear``'s shape and dtype, in calls of ``rows`` rows (1: a decode step's one token; more:
         a prompt kernel's choice); returns ``(kernel, {kernel name: µs per call})``. A cached entry
         is used when it is valid and trusted (module docstring), else the shape is measured and the
-        entry replaced."""
+        entry replaced. Where one-row timings are invalid (:mod:`.prior`), the kernel is the prior
+        ranking's (:func:`~river_hf.quant.prior.prior_kernel`), not the fastest of the timings
+        returned, and :attr:`last_prior` says so."""
         by_name = {k.name: k for k in candidates}
-        timings = self._cached_or_measured(LinearSpec.of(linear), rows, list(by_name),
-                                           lambda spec: self.measure(candidates, spec, rows))
-        return by_name[min(timings, key=timings.get)], timings
+        spec = LinearSpec.of(linear)
+        entry = self._cached_or_measured(spec, rows, list(by_name), lambda s: self.measure(candidates, s, rows),
+                                         _validity_check(spec, candidates, rows))
+        timings = dict(entry["timings_us"])
+        self.last_prior = None
+        why = entry.get("invalid")
+        if why is None:
+            return by_name[min(timings, key=timings.get)], timings
+        features = cpu_features()
+        kernel = by_name[prior_kernel(by_name, features)]
+        self.last_prior = f"{features}: {why}"
+        if self.on_invalid is not None:
+            self.on_invalid(spec.shape, why, features, kernel.name)
+        return kernel, timings
 
     def choose_mode(self, linear, rows: int, candidates, measure) -> tuple[str, dict[str, float]]:
         """The faster dense fp32 mode (:data:`DENSE_MODES`) for ``rows``-row calls of ``linear``'s
@@ -169,26 +211,60 @@ class KernelTuner:
         bad = [c for c in candidates if c not in DENSE_MODES]
         if bad:
             raise ValueError(f"not dense modes: {bad}; expected some of {sorted(DENSE_MODES)}")
-        timings = self._cached_or_measured(LinearSpec.of(linear), rows, list(candidates), lambda spec: measure())
-        return min(timings, key=timings.get), timings
+        timings = self._cached_or_measured(LinearSpec.of(linear), rows, list(candidates), lambda spec: measure())["timings_us"]
+        return min(timings, key=timings.get), dict(timings)
 
-    def _cached_or_measured(self, spec: LinearSpec, rows: int, names: list[str], measure) -> dict[str, float]:
-        """The timings of the trusted cached entry for ``(spec, rows, names)``, else of a new
-        measurement ``measure(spec)`` (saved: :meth:`_save`)."""
+    def _cached_or_measured(self, spec: LinearSpec, rows: int, names: list[str], measure, check=None) -> dict:
+        """The trusted cached entry for ``(spec, rows, names)``, else a new one of ``measure(spec)``
+        (saved: :meth:`_save`). ``check``: None, or ``(timings, load, cpus) -> why invalid | None``
+        (:func:`~river_hf.quant.prior.invalid_reason`); an entry it finds invalid has ``"invalid"``
+        set, is measured again when the machine is quiet now (:meth:`_measure_checked`) and used as
+        is while it is loaded."""
         key = _key(machine_id(spec.device), spec.shape, spec.dtype_name, spec.bias, names, rows)
         entry = self._choices.get(key)
+        if key in self._measured_here:  # measured (and retried) by this tuner already: as it came out
+            return entry
         load, cpus = load_average(), usable_cpus()  # now: the trust rule's "quiet now", and a new entry's
         why = "not cached" if entry is None else _entry_problem(key, entry) or entry_status(entry, load, cpus)
+        if why is None and check is not None and "invalid" not in entry:  # an entry cached before these rules
+            bad = check(entry["timings_us"], entry["load_avg_1m"], entry["cpus"])
+            if bad is not None:
+                entry = dict(entry, invalid=bad)
+                if not is_loaded(load, cpus):
+                    why = f"its timings look invalid ({bad}), the machine is quiet now"
         if why is not None:
             if entry is not None:
                 self.remeasured[key] = why
             if self.on_measure is not None:
                 self.on_measure(spec.shape if rows == 1 else f"{spec.shape} at {rows} rows", spec.dtype_name, why)
-            entry = _entry(spec, rows, names, measure(spec), load, cpus)
+            entry = self._measure_checked(spec, rows, names, measure, check)
             self._choices[key] = entry
+            self._measured_here.add(key)
             self.measured += 1
             self._save(key, entry)
-        return dict(entry["timings_us"])
+        return entry
+
+    def _measure_checked(self, spec: LinearSpec, rows: int, names: list[str], measure, check) -> dict:
+        """A new entry of ``measure(spec)``, taken again up to :attr:`retries` times while ``check``
+        finds it invalid (not when the machine is loaded); flagged ``"invalid"`` (with the kernel
+        and the ``"prior"`` feature set of the prior ranking) when the last one still is."""
+        for attempt in range(self.retries + 1):
+            load, cpus = load_average(), usable_cpus()
+            timings = measure(spec)
+            bad = None if check is None else check(timings, load, cpus)
+            if bad is None or is_loaded(load, cpus) or attempt == self.retries:
+                break
+            time.sleep(self.retry_pause_s)
+        entry = _entry(spec, rows, names, timings, load, cpus)
+        if bad is not None:
+            features = cpu_features()
+            entry.update(invalid=bad, kernel=prior_kernel(names, features), prior=features)
+        return entry
+
+    def quiet_now(self) -> bool:
+        """Whether the machine is not loaded now (:func:`is_loaded` of the 1-minute load average):
+        when a measurement can be trusted, so a saved choice made without one is measured again."""
+        return not is_loaded(load_average(), usable_cpus())
 
     def measure_again(self, entry: dict, measure_modes) -> dict | None:
         """A new cache entry for a cached one (``river-hf kernels --remeasure``): the same shape,
@@ -213,7 +289,8 @@ class KernelTuner:
         candidates = [KERNELS[n] for n in entry["candidates"]]  # exit kernels: one-row, or a prompt-kernel choice
         if not all(k.available(spec.device.type) for k in candidates):
             return None
-        return _entry(spec, rows, entry["candidates"], self.measure(candidates, spec, rows), load, cpus)
+        return self._measure_checked(spec, rows, entry["candidates"], lambda s: self.measure(candidates, s, rows),
+                                     _validity_check(spec, candidates, rows))
 
     def measure(self, candidates, linear, rows: int = 1) -> dict[str, float]:
         """Median µs per call of ``rows`` rows (one token each) of each candidate on ``linear`` (an

@@ -37,12 +37,15 @@ from ..errors import RiverError
 from .modules import CastMemo, PromptRowsLinear, relative_error
 from .registry import KERNELS, WeightOnlyKernel
 
-__all__ = ["KernelChoice", "KernelPlan", "shape_key", "prompt_key", "PROMPT_ROWS", "PROMPT_MIN_ROWS", "PROMPT_KERNELS"]
+__all__ = ["KernelChoice", "KernelPlan", "shape_key", "prompt_key", "PRIOR_SUFFIX", "PROMPT_ROWS", "PROMPT_MIN_ROWS", "PROMPT_KERNELS"]
 
 #: rows at which a prompt kernel is measured against the one-row choice (a short prompt's length)
 PROMPT_ROWS = 128
 #: calls of at least this many rows run on the prompt kernel (a decode step has one row per sequence)
 PROMPT_MIN_ROWS = 16
+#: suffix of a ``kernel_choice`` key whose value says why the shape's kernel came from the prior
+#: ranking, not a measurement (``"int4:896x4864#prior": "AVX-512: all candidates within 0.4 %"``)
+PRIOR_SUFFIX = "#prior"
 #: the prompt-kernel candidates per weight width (measured against the width's one-row choice)
 PROMPT_KERNELS = {4: ("ort-int4",), 8: ("ort-int8",)}
 
@@ -214,13 +217,21 @@ class KernelPlan:
     :attr:`chosen` records every measured choice's kernel per shape (what a saved folder stores);
     :meth:`warn_if_differs` warns once about saved choices that could not be honoured.
 
+    A shape whose kernel came from the prior ranking because its timings were invalid
+    (:mod:`.prior`; the tuner's ``last_prior``) also gets ``chosen[key + "#prior"] = "<feature set>:
+    <why>"``. A saved choice marked so is re-validated when the machine is quiet: that shape goes to
+    the tuner (its kernels.json entry, or a new measurement), and :attr:`revalidated` records it;
+    while the machine is loaded (or without a tuner) it is reused, its mark kept.
+
     Args:
         tuner: a :class:`~river_hf.quant.autotune.KernelTuner` or None.
         saved: ``{shape key: kernel name}`` from a saved River folder, or None.
 
     Attributes:
-        chosen: ``{shape key: kernel name}`` of this build's measured choices.
+        chosen: ``{shape key: kernel name}`` of this build's measured choices (and ``#prior`` marks).
         differs: ``{shape key: (saved kernel, kernel used, why)}`` for saved choices not reused.
+        revalidated: ``{shape key: (saved kernel, kernel now, saved mark)}`` for saved choices of the
+            prior ranking measured again on a quiet machine.
     """
 
     def __init__(self, tuner=None, saved: dict | None = None):
@@ -228,6 +239,17 @@ class KernelPlan:
         self.saved = dict(saved or {})
         self.chosen: dict[str, str] = {}
         self.differs: dict[str, tuple[str, str, str]] = {}
+        self.revalidated: dict[str, tuple[str, str, str]] = {}
+        self._quiet: bool | None = None
+
+    def _revalidate(self, key: str) -> bool:
+        """Whether the saved kernel of ``key``, which the prior ranking chose (no valid measurement),
+        is measured again now: a tuner is at hand and the machine is quiet (asked once per plan)."""
+        if self.tuner is None or key + PRIOR_SUFFIX not in self.saved or not hasattr(self.tuner, "quiet_now"):
+            return False
+        if self._quiet is None:
+            self._quiet = bool(self.tuner.quiet_now())
+        return self._quiet
 
     def pick(self, choice: KernelChoice, linear: nn.Linear) -> tuple[WeightOnlyKernel, dict]:
         """The kernel ``choice`` gives ``linear`` (see the class docstring) and the timings (µs per
@@ -238,8 +260,9 @@ class KernelPlan:
         if not choice.measured and want is None:
             return candidates[0], {}
         timings: dict = {}
-        kernel = next((k for k in candidates if k.name == want), None)
-        if kernel is None and want in KERNELS and _same_grid(KERNELS[want], choice.candidates[0]) \
+        revalidate = want is not None and choice.measured and self._revalidate(key)
+        kernel = None if revalidate else next((k for k in candidates if k.name == want), None)
+        if kernel is None and not revalidate and want in KERNELS and _same_grid(KERNELS[want], choice.candidates[0]) \
                 and KERNELS[want].supports(linear) and KERNELS[want].available(linear.weight.device):
             kernel = KERNELS[want]  # a kernel this choice no longer measures (ort-int4), saved by an older build
         if kernel is None:
@@ -247,8 +270,15 @@ class KernelPlan:
                 kernel = candidates[0]
             else:
                 kernel, timings = self.tuner.choose(candidates, linear)
-            if want is not None and kernel.name != want:
+                prior = getattr(self.tuner, "last_prior", None)
+                if prior:  # no valid measurement: the prior ranking's kernel, and the folder says so
+                    self.chosen[key + PRIOR_SUFFIX] = prior
+            if revalidate:
+                self.revalidated[key] = (want, kernel.name, self.saved[key + PRIOR_SUFFIX])
+            elif want is not None and kernel.name != want:
                 self.differs[key] = (want, kernel.name, _why_not(choice, want, linear))
+        elif key + PRIOR_SUFFIX in self.saved:  # reused as saved (machine loaded, or nothing to measure with)
+            self.chosen[key + PRIOR_SUFFIX] = self.saved[key + PRIOR_SUFFIX]
         self.chosen[key] = kernel.name
         return kernel, timings
 

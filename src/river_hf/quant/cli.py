@@ -90,10 +90,13 @@ def _rows(entries: dict) -> list[dict]:
     rows = []
     for key, e in sorted(entries.items(), key=lambda kv: (kv[1]["shape"], kv[1]["bias"], kv[1]["machine"])):
         status = ("another machine, thread count or device" if e["machine"] != here else entry_status(e)
+                  or (f"invalid timings ({e['invalid']}): the prior ranking for {e.get('prior', '?')} decides; "
+                      "measured again on a quiet machine" if "invalid" in e else None)
                   or ("measured under load: measured again at the first build on a quiet machine"
                       if is_loaded(e["load_avg_1m"], e["cpus"]) else "ok"))
         rows.append({"key": key, "shape": e["shape"], "rows": e.get("rows", 1), "dtype": e["dtype"], "bias": e["bias"],
-                     "kernel": min(e["timings_us"], key=e["timings_us"].get),
+                     "kernel": e["kernel"] if "invalid" in e and e.get("kernel") in e["timings_us"]
+                     else min(e["timings_us"], key=e["timings_us"].get),
                      "timings_us": e["timings_us"], "measured_at": e["measured_at"], "load_avg_1m": e["load_avg_1m"],
                      "cpus": e["cpus"], "machine": e["machine"], "river_hf_version": e["river_hf_version"],
                      "status": status})

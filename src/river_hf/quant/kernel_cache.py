@@ -12,7 +12,10 @@ candidate set, so a second build on the same machine measures nothing. The file:
 ``timings_us``: median µs per one-token call (per ``rows``-row call in an entry of a dense mode or of an
 exit Linear's prompt-kernel choice, which also has ``"rows": R`` and ``|rows=R`` at the end of its key); ``measured_at``: Unix time; ``load_avg_1m``: the
 1-minute load average when the measurement started (None where the OS has none); ``cpus``: the
-cores this process may run on. An entry is **not trusted** and is measured again at its next use when:
+cores this process may run on. An entry whose one-row timings a busy machine made meaningless
+(:mod:`.prior`) also has ``"invalid": WHY`` and ``"prior": FEATURE SET``, its ``"kernel"`` being the
+prior ranking's: it is never reused as a measurement (the prior decides while the machine stays
+loaded; it is measured again once it is quiet). An entry is **not trusted** and is measured again at its next use when:
 it does not parse (wrong types, a timing that is not a finite positive number, a kernel this
 river-hf does not know, fields that disagree with its key); it was written by another river-hf
 version (the kernels may have changed); or it was measured *under load* and the machine is quiet
@@ -175,7 +178,9 @@ def _entry_problem(key: str, entry) -> str | None:
                       ("load_avg_1m", entry.get("load_avg_1m") is None or _number(entry.get("load_avg_1m"))),
                       ("cpus", isinstance(entry.get("cpus"), int) and not isinstance(entry.get("cpus"), bool)
                        and entry.get("cpus") >= 1),
-                      ("river_hf_version", isinstance(entry.get("river_hf_version"), str))):
+                      ("river_hf_version", isinstance(entry.get("river_hf_version"), str)),
+                      ("invalid", isinstance(entry.get("invalid", ""), str)),
+                      ("prior", isinstance(entry.get("prior", ""), str))):
         if not ok:
             return f"field {field!r} missing or of the wrong type"
     if set(entry["candidates"]) != set(timings):
@@ -222,16 +227,19 @@ def entry_status(entry: dict, now_load: float | None = None, cpus: int | None = 
     """Why a valid entry should be measured again now (None: use it).
 
     ``"river-hf X"`` when another version wrote it; ``"measured under load ..."`` when it was
-    measured under load (:func:`is_loaded`) and ``now_load`` (default: the current load average)
-    is not. ``cpus``: default :func:`usable_cpus`.
+    measured under load (:func:`is_loaded`), or ``"its timings were invalid ..."`` when it is
+    flagged ``"invalid"`` (:mod:`.prior`), and ``now_load`` (default: the current load average)
+    is not loaded. ``cpus``: default :func:`usable_cpus`.
     """
     from .._version import __version__
 
     if entry["river_hf_version"] != __version__:
         return f"measured by river-hf {entry['river_hf_version']} (this is {__version__})"
-    if is_loaded(entry["load_avg_1m"], entry["cpus"]):
+    if is_loaded(entry["load_avg_1m"], entry["cpus"]) or "invalid" in entry:
         now_load = load_average() if now_load is None else now_load
         if not is_loaded(now_load, usable_cpus() if cpus is None else cpus):
+            if not is_loaded(entry["load_avg_1m"], entry["cpus"]):
+                return f"its timings were invalid ({entry['invalid']}), the machine is quiet now"
             return (f"measured under load (1-min load average {entry['load_avg_1m']:.2f} on {entry['cpus']} "
                     f"cores), the machine is quiet now")
     return None

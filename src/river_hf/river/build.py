@@ -114,15 +114,24 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
         config = dataclasses.replace(config, prompt_kernel=False)  # this build only; the setting is kept
     plan = KernelPlan(tuner or None, config.kernel_choice)  # a saved folder's kernels first, then measured
     announce = progress and plan.tuner is not None and getattr(plan.tuner, "on_measure", False) is None
+    say_prior = None
     if announce:
         plan.tuner.on_measure = _announce_measurement(plan.tuner)
+        if hasattr(plan.tuner, "on_invalid") and plan.tuner.on_invalid is None:
+            plan.tuner.on_invalid = say_prior = _announce_prior()
     try:
         backbone_bytes, exit_bytes = _wrap_layers(layers, router, config, plan, report, progress)
         head_bytes, exit_head_bytes = _wrap_head(model, router, config, plan, report)
     finally:
         if announce:
             plan.tuner.on_measure = None
+            if say_prior is not None and plan.tuner.on_invalid is say_prior:
+                plan.tuner.on_invalid = None
     build_seconds = time.perf_counter() - start
+    if progress:
+        for key, (saved, now, why) in sorted(plan.revalidated.items()):
+            tqdm.write(f"[river-hf] the saved kernel choice for {key} ({saved}) came from the prior ranking ({why}); "
+                       f"re-validated on this quiet machine: {now}", file=sys.stderr)
     plan.warn_if_differs(stacklevel=stacklevel + 1)
     if config.prompt_kernel and not any(row.get("prompt_kernel") for row in report):
         _warn_no_prompt_kernel(config, plan, stacklevel + 1)
@@ -179,6 +188,20 @@ def _announce_measurement(tuner):
     def say(shape: str, dtype: str, why: str) -> None:
         tqdm.write(f"[river-hf] timing the exit kernels for {shape} ({dtype}) on this machine: {why}; "
                    f"once per machine, cached in {where}", file=sys.stderr)
+
+    return say
+
+
+def _announce_prior():
+    """A KernelTuner ``on_invalid`` callback: one line per shape whose timings were invalid, the
+    prior ranking deciding (river_config.kernel_choice marks the shape ``#prior``)."""
+    seen = set()
+
+    def say(shape: str, why: str, features: str, kernel: str) -> None:
+        if (shape, kernel) not in seen:
+            seen.add((shape, kernel))
+            tqdm.write(f"[river-hf] kernel timings for {shape} look invalid ({why}): using the prior ranking for "
+                       f"{features} ({kernel})", file=sys.stderr)
 
     return say
 
