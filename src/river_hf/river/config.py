@@ -169,7 +169,10 @@ class RiverConfig:
             :func:`river_hf.quant.shape_key`). ``enable_river`` fills it with what it built, so a
             saved River folder records it; a build given it reuses each kernel that exists on the
             machine instead of measuring (and warns once, naming the shapes, where one does not).
-            None: every measured shape is measured (or taken from ``kernels.json``).
+            None: every measured shape is measured (or taken from ``kernels.json``). A shape whose
+            timings were invalid (a busy machine; :mod:`river_hf.quant.prior`) also has a
+            ``"<key>#prior"`` entry saying why the prior ranking chose it; a build on a quiet
+            machine measures those shapes again.
         fuse_projections: each exit layer runs its q/k/v projections as one stacked product and its
             gate/up projections as one (:mod:`river_hf.quant.fused`; 4 weight products per layer
             instead of 7, split after; the KV share is unchanged); the stacked shapes get their
