@@ -77,9 +77,17 @@ def batch_table(reports: dict[int, dict]) -> str:
         rows = {r["label"]: r for r in rep["comparison"]["rows"]}
         plain = rows[rep["comparison"]["reference"]]["decode_tokens_per_s"]["median"]
         cells = [f"{rows[m]['speedup']['median']:.2f} ({rows[m]['speedup']['min']:.2f}-{rows[m]['speedup']['max']:.2f})"
-                 for m in methods]
+                 + _fell_back(rep, m) for m in methods]
         lines.append(f"| {batch} | {plain:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _fell_back(report: dict, method: str) -> str:
+    """" (ran on the backbone)" when every call of ``method`` ran in another mode than its own
+    (lossless mode falls back to the backbone for what it cannot draft, e.g. a streamer in a batch)."""
+    modes = {row.get("mode") for row in report.get("per_prompt_stats", {}).get(method, [])}
+    own = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(method)
+    return " (ran on the backbone)" if own and modes and own not in modes else ""
 
 
 def render(args, folder: Path) -> None:

@@ -233,3 +233,27 @@ def test_smollm2_greedy_batch_equals_the_plain_model(smollm2_path):
     assert torch.equal(out, ref)
     ll = river.river_stats["lossless"]
     assert ll["batch_size"] == 3 and ll["accepted"] > 0
+
+
+def test_a_processor_that_says_it_is_history_free_keeps_the_batch_drafting():
+    """A caller's own logits processor that reads no token history (``history_free = True``, e.g.
+    one that masks fixed ids, as the benchmarks' EOS suppressor does) keeps batched lossless
+    drafting, and the tokens equal the plain model's with the same processor."""
+    from transformers import LogitsProcessorList
+
+    class MaskIds:
+        history_free = True
+
+        def __call__(self, input_ids, scores):
+            return scores.index_fill_(1, torch.tensor([2, 5]), float("-inf"))
+
+    base = tiny_model("llama")
+    river = river_copy(base)
+    ids, mask = left_padded((10, 7))
+    ref = base.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
+                        logits_processor=LogitsProcessorList([MaskIds()]), **GEN)
+    with river.river_mode("lossless"):
+        out = river.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
+                             logits_processor=LogitsProcessorList([MaskIds()]), **GEN)
+    assert torch.equal(out, ref)
+    assert river.river_stats["mode"] == "lossless" and river.river_stats["lossless"]["batch_size"] == 2

@@ -29,7 +29,10 @@ LOSSLESS_SETTINGS = {"lossless": {}, "lossless-exit": {"prompt_lookup_tokens": 0
 class SuppressIds:
     """A transformers ``LogitsProcessor``: ``scores[:, ids] = -inf`` (one indexed fill per step).
 
-    ``__call__(input_ids [batch, seq] int64, scores [batch, vocab] float) -> scores`` (modified in place)."""
+    ``__call__(input_ids [batch, seq] int64, scores [batch, vocab] float) -> scores`` (modified in place).
+    It reads no token history (``history_free``), so batched lossless mode keeps drafting with it."""
+
+    history_free = True
 
     def __init__(self, ids):
         self.ids = torch.tensor(sorted(set(ids)), dtype=torch.long)

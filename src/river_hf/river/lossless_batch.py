@@ -37,12 +37,20 @@ from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalizati
 from .cache import RiverCache
 from .layer import EXIT_ONLY, ROUTE
 
-__all__ = ["HISTORY_FREE", "BatchPlan", "generate_batch"]
+__all__ = ["HISTORY_FREE", "history_free", "BatchPlan", "generate_batch"]
 
 #: Logits processors that depend only on the current scores (never on the tokens so far), so the
-#: same processed distribution is computed for a draft, a verify position and plain decoding.
+#: same processed distribution is computed for a draft, a verify position and plain decoding. A
+#: processor of the caller's own joins them by saying so: a class attribute ``history_free = True``
+#: (:func:`history_free`).
 HISTORY_FREE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
                 EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalization)
+
+
+def history_free(processor) -> bool:
+    """Whether ``processor`` reads only the current scores: one of :data:`HISTORY_FREE`, or a
+    processor whose ``history_free`` attribute is True (e.g. one that masks fixed token ids)."""
+    return isinstance(processor, HISTORY_FREE) or getattr(processor, "history_free", False) is True
 
 
 @dataclass

@@ -24,7 +24,7 @@ from ..errors import RiverError
 from .layer import LOSSLESS
 from .drafter import ExitPathDrafter
 from .lossless import FirstStop
-from .lossless_batch import HISTORY_FREE, BatchPlan
+from .lossless_batch import BatchPlan, history_free
 
 __all__ = ["OTHER_DRAFTERS", "BATCH_FALLBACK_ARGS", "BATCH_FALLBACK_SETTINGS", "can_draft", "batch_plan", "drafter",
            "first_stop"]
@@ -120,7 +120,7 @@ def batch_plan(model, args: tuple, kwargs: dict, gen_config, prompt):
         raise RiverError(str(e)) from e
     processors = logits_processors(model, config, prompt, logits_processor=kwargs.get("logits_processor"),
                                    prefix_allowed_tokens_fn=None, model_kwargs=dict(extra))
-    reasons = [f"{type(p).__name__} (reads the tokens so far)" for p in processors if not isinstance(p, HISTORY_FREE)]
+    reasons = [f"{type(p).__name__} (reads the tokens so far)" for p in processors if not history_free(p)]
     window = getattr(model.config.get_text_config(), "sliding_window", None)
     longest = prompt.shape[1] + (config.max_length - prompt.shape[1]) * (model.river_config.max_draft_tokens + 1)
     if window is not None and longest > window:
