@@ -5,6 +5,8 @@ free loopback port, stopped by this script:
 
 - ``plain``: ``transformers serve FOLDER`` (transformers' own server on the unmodified model: the
   folder ``river_hf.resolve(MODEL)`` converted, fp32 on CPU);
+- ``plain-cb``: the same with ``--continuous-batching`` (transformers' paged-attention continuous
+  batching of the unmodified model);
 - ``river``: ``river-hf serve MODEL`` (River route mode, the model's default settings; waiting
   requests with the same sampling settings run as one ``generate`` batch);
 - ``river-fifo``: ``river-hf serve MODEL --fifo`` (one request at a time; not in the default list);
@@ -39,8 +41,8 @@ import threading
 import time
 from pathlib import Path
 
-SERVERS = ("plain", "river", "river-fifo", "lossless")
-DEFAULT_SERVERS = ("plain", "river", "lossless")
+SERVERS = ("plain", "plain-cb", "river", "river-fifo", "lossless")
+DEFAULT_SERVERS = ("plain-cb", "river", "lossless")
 PROMPTS = (
     "What is the capital of France?",
     "Write a Python function that checks whether a number is prime.",
@@ -52,7 +54,7 @@ PROMPTS = (
     "How do I reverse a list in Python?",
 )
 HOST = "127.0.0.1"
-COLORS = {"plain": "gray", "river": "tab:blue", "river-fifo": "tab:cyan", "lossless": "tab:green"}
+COLORS = {"plain": "gray", "plain-cb": "black", "river": "tab:blue", "river-fifo": "tab:cyan", "lossless": "tab:green"}
 
 
 def free_port() -> int:
@@ -64,11 +66,12 @@ def free_port() -> int:
 def server_command(kind: str, model: str, port: int) -> list[str]:
     """The command line of server ``kind`` on ``port`` (loopback only)."""
     bin_dir = Path(sys.executable).parent
-    if kind == "plain":
+    if kind in ("plain", "plain-cb"):
         from river_hf import resolve
 
         return [str(bin_dir / "transformers"), "serve", resolve(model, progress=False), "--host", HOST, "--port",
-                str(port), "--device", "cpu", "--dtype", "float32"]
+                str(port), "--device", "cpu", "--dtype", "float32",
+                *(["--continuous-batching"] if kind == "plain-cb" else [])]
     flags = {"lossless": ["--lossless"], "river-fifo": ["--fifo"]}.get(kind, [])
     return [str(bin_dir / "river-hf"), "serve", model, "--host", HOST, "--port", str(port), "--device", "cpu",
             "--no-progress", *flags]
@@ -97,7 +100,7 @@ def one_request(port: int, prompt: str, max_tokens: int, timeout: float) -> dict
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                        "temperature": 0, "stream": True})
     start = time.perf_counter()
-    out = {"prompt": prompt, "error": None, "ttft": None, "completion_tokens": 0, "river": None}
+    out = {"prompt": prompt, "error": None, "ttft": None, "completion_tokens": 0, "river": None, "text": ""}
     try:
         c = http.client.HTTPConnection(HOST, port, timeout=max(timeout, 1.0))
         c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -114,8 +117,10 @@ def one_request(port: int, prompt: str, max_tokens: int, timeout: float) -> dict
                     out["error"] = str(chunk["error"])
                     break
                 delta = (chunk.get("choices") or [{}])[0].get("delta", {})
-                if delta.get("content") and out["ttft"] is None:
-                    out["ttft"] = time.perf_counter() - start
+                if delta.get("content"):
+                    out["text"] += delta["content"]
+                    if out["ttft"] is None:
+                        out["ttft"] = time.perf_counter() - start
                 if chunk.get("usage"):
                     out["completion_tokens"] = chunk["usage"]["completion_tokens"]
                 if "river" in chunk:
@@ -181,6 +186,8 @@ def summarize(phase: dict) -> dict:
         "throughput_tokens_per_s": tokens / phase["wall_seconds"] if phase["wall_seconds"] > 0 else None,
         "latency_p50_s": _pct(lat, 0.5), "latency_p95_s": _pct(lat, 0.95),
         "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
+        # greedy: every answer to one prompt should be the same text; the first one seen is kept
+        "answers": {p: next(r["text"] for r in ok if r["prompt"] == p) for p in sorted({r["prompt"] for r in ok})},
     }
     rivers = [r["river"] for r in ok if r["river"]]
     if rivers:
@@ -281,13 +288,19 @@ def main(argv=None) -> int:
         print(f"[serve_load] {kind}: {s['answered']}/{s['requests']} answered, {s['errors']} errors, "
               f"{s['throughput_tokens_per_s']:.2f} tokens/s, latency p50 {s['latency_p50_s']:.2f} s "
               f"p95 {s['latency_p95_s']:.2f} s", file=sys.stderr, flush=True)
-    plain = report["servers"].get("plain", {}).get("throughput_tokens_per_s")
-    for kind, s in report["servers"].items():
-        if plain and s.get("throughput_tokens_per_s") and kind != "plain":
-            s["throughput_vs_plain"] = s["throughput_tokens_per_s"] / plain
+    for base in ("plain", "plain-cb"):
+        ref = report["servers"].get(base, {})
+        for kind, s in report["servers"].items():
+            if kind in ("plain", "plain-cb"):
+                continue
+            if ref.get("throughput_tokens_per_s") and s.get("throughput_tokens_per_s"):
+                s[f"throughput_vs_{base.replace('-', '_')}"] = s["throughput_tokens_per_s"] / ref["throughput_tokens_per_s"]
+            if ref.get("answers"):  # same prompt, greedy: the answers the unmodified model gives
+                same = [p for p, text in s["answers"].items() if ref["answers"].get(p) == text]
+                s[f"answers_equal_to_{base.replace('-', '_')}"] = f"{len(same)}/{len(s['answers'])}"
     write_json(args.out, report)
     plot(report, str(Path(args.out).with_suffix(".png")))
-    print(json.dumps({k: {m: v for m, v in s.items() if m not in ("error_messages", "command")}
+    print(json.dumps({k: {m: v for m, v in s.items() if m not in ("error_messages", "command", "answers")}
                       for k, s in report["servers"].items()}, indent=1))
     return 0 if all(s["errors"] == 0 for s in report["servers"].values()) else 1
 
