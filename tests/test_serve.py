@@ -201,6 +201,24 @@ def test_bad_requests_get_a_4xx_with_a_message_and_the_server_keeps_serving(tiny
     assert tiny_server.post(legacy, prompt="Hello", max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
+def test_a_completion_prompt_is_a_string_or_a_list_holding_one(tiny_server):
+    """OpenAI's list form of `prompt`: one string in a list is that prompt; several prompts or token
+    ids get a 422 that says what is accepted (not "`prompt` is required")."""
+    legacy = "/v1/completions"
+    as_list = tiny_server.post(legacy, prompt=["The capital of France is"], max_tokens=3)
+    as_string = tiny_server.post(legacy, prompt="The capital of France is", max_tokens=3)
+    assert as_list["choices"][0]["text"] == as_string["choices"][0]["text"]  # greedy: the same answer
+    assert as_list["usage"] == as_string["usage"]
+    details = {name: tiny_server.request("POST", legacy, {"prompt": prompt}) for name, prompt in
+               {"several": ["a", "b", "c"], "token ids": [1, 2, 3], "a number": 7, "missing": None}.items()}
+    assert {status for status, _ in details.values()} == {422}
+    assert "holds 3 prompts" in details["several"][1]["detail"]
+    assert "one prompt per request" in details["several"][1]["detail"]
+    assert "token ids is not supported" in details["token ids"][1]["detail"]
+    assert details["a number"][1]["detail"] == "`prompt` must be a non-empty string, or a list holding one, got int 7"
+    assert details["missing"][1]["detail"] == "`prompt` is required: a non-empty string, or a list holding one"
+
+
 def test_a_prompt_of_no_tokens_is_refused():
     from fastapi import HTTPException
 

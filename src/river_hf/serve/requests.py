@@ -9,6 +9,7 @@ generation settings, so every check runs on the event loop before the request is
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from fastapi import HTTPException
@@ -88,7 +89,8 @@ def check_request(body: dict, *, chat: bool, max_tokens_limit: int | None, model
     Raises:
         HTTPException: 404 for another ``model``; 422 with a message for: no ``messages`` (or not a
             non-empty list of objects with a role of :data:`ROLES` and a string or list-of-text-parts
-            ``content``); no ``prompt`` or an empty one, or not a string; ``max_tokens`` not an
+            ``content``); no ``prompt`` or an empty one, or not a string or a list holding one
+            (several prompts and token-id prompts are refused); ``max_tokens`` not an
             integer in 1..``max_tokens_limit``; ``temperature`` not a number in [0, 2]; ``top_p``
             not in (0, 1]; ``n`` other than 1; ``stop`` not a string or a list of up to 4 non-empty
             strings; ``seed`` not an integer; ``stream`` not a boolean; a field of
@@ -107,9 +109,7 @@ def check_request(body: dict, *, chat: bool, max_tokens_limit: int | None, model
                      f"{m.get('role') if isinstance(m, dict) else m!r}")
             _message_text(m.get("content"), f"messages[{i}].content")
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            _bad("`prompt` is required: a non-empty string (one prompt per request)")
+        _prompt_text(body.get("prompt"))
     for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
         value = body.get(key)
         if value is None:
@@ -135,6 +135,25 @@ def check_request(body: dict, *, chat: bool, max_tokens_limit: int | None, model
     for key, off in UNSUPPORTED.items():
         if body.get(key) not in off:
             _bad(f"`{key}` is not supported by river-hf serve (got {body[key]!r}); drop it")
+
+
+def _prompt_text(prompt) -> str:
+    """The text of ``/v1/completions``' ``prompt``: a non-empty string, or OpenAI's list form
+    holding one such string. Several prompts (OpenAI answers each) and token-id prompts are
+    refused: a request here is one generate row, answered as one choice."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    accepted = "a non-empty string, or a list holding one"
+    if prompt is None or prompt in ("", []):
+        _bad(f"`prompt` is required: {accepted}")
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        _bad(f"`prompt` holds {len(prompt)} prompts; river-hf serve answers one prompt per request (send one "
+             "request per prompt)")
+    if isinstance(prompt, list) and all(isinstance(p, (int, list)) and not isinstance(p, bool) for p in prompt):
+        _bad(f"`prompt` as token ids is not supported; send the text: {accepted}")
+    _bad(f"`prompt` must be {accepted}, got {type(prompt).__name__} {json.dumps(prompt)[:100]}")
 
 
 def _message_text(content, where: str) -> str:
@@ -182,7 +201,7 @@ def prepare(body: dict, tokenizer, *, chat: bool, max_tokens_limit: int | None, 
         except Exception as e:  # noqa: BLE001 - a template's own refusal (e.g. roles out of order)
             _bad(f"the model's chat template cannot render these messages: {str(e).splitlines()[0][:300]}")
     else:
-        encoded = tokenizer(body["prompt"])
+        encoded = tokenizer(_prompt_text(body["prompt"]))
     ids = encoded["input_ids"]
     ids = ids.reshape(-1).tolist() if hasattr(ids, "reshape") else list(ids[0] if ids and isinstance(ids[0], list)
                                                                        else ids)
