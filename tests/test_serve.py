@@ -219,6 +219,23 @@ def test_a_completion_prompt_is_a_string_or_a_list_holding_one(tiny_server):
     assert details["missing"][1]["detail"] == "`prompt` is required: a non-empty string, or a list holding one"
 
 
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
+                                 "top_logprobs", "best_of", "frequency_penalty", "presence_penalty"])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_is_not_a_number_in_any_numeric_field(key, value):
+    """JSON `true` / `false` where a number goes (Python's bool is an int: `true` would pass as 1,
+    `false` as 0) is a 422 that names the field and says a boolean is not a number."""
+    from fastapi import HTTPException
+
+    from river_hf.serve.requests import check_request
+
+    with pytest.raises(HTTPException) as e:
+        check_request({"messages": QUESTION, key: value}, chat=True, max_tokens_limit=64)
+    spelled = "true" if value else "false"
+    assert e.value.status_code == 422 and e.value.detail.startswith(f"`{key}` must be ")
+    assert e.value.detail.endswith(f"got {spelled} (a boolean is not a number)"), e.value.detail
+
+
 def test_a_prompt_of_no_tokens_is_refused():
     from fastapi import HTTPException
 
