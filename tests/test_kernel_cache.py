@@ -75,6 +75,17 @@ def tiny_llama():
     return model
 
 
+def written_over_the_bar(err: str, start: str) -> int:
+    """How many lines starting with ``start`` ``err`` holds, after checking that each was written as
+    tqdm.write writes over a progress bar: on a terminal line of its own, the bar cleared (``\\r``,
+    blanks, ``\\r``) just before it where one was drawn; a plain print would follow the bar's text."""
+    rows = [row for row in err.split("\n") if start in row]  # what one terminal line shows
+    for row in rows:
+        *before, last = row.split("\r")
+        assert last.startswith(start) and (not before or before[-1].strip() == ""), repr(row)
+    return len(rows)
+
+
 def exit_logits(model) -> torch.Tensor:
     ids = torch.arange(3, 15)[None]
     with torch.no_grad(), model.river_mode("exit"):
@@ -335,13 +346,16 @@ def test_cli_list_and_remeasure_exclude_each_other(cache, capsys):
 
 def test_a_first_build_says_which_shapes_it_is_timing_and_a_cached_one_is_silent(cache, monkeypatch, capsys):
     """With the progress bar on, each shape the tuner measures gets one stderr line (a first build on a
-    machine sits there for seconds per shape); a second build reads the cache and prints none; a build
-    without progress prints none either, and the tuner keeps no callback afterwards."""
+    machine sits there for seconds per shape), written through tqdm over the build's bar (the bar
+    cleared before the line, redrawn after it: no line starts in the middle of the bar); a second
+    build reads the cache and prints none; a build without progress prints none either, and the
+    tuner keeps no callback afterwards."""
     script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
     enable_river(tiny_llama(), tau=0.9, backend="int4", progress=True)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("[river-hf] timing the exit kernels")]
     assert lines and all("once per machine, cached in" in line and str(cache) in line for line in lines)
+    assert written_over_the_bar(err, "[river-hf] timing") == len(lines)
     assert any("not cached" in line for line in lines)
     enable_river(tiny_llama(), tau=0.9, backend="int4", progress=True)
     assert "[river-hf] timing" not in capsys.readouterr().err

@@ -21,6 +21,7 @@ from river_hf.cli import main
 from river_hf.quant import KERNELS, KernelTuner, autotune, get_backend, kernel_cache, prior
 from river_hf.quant.autotune import read_cache
 from river_hf.quant.choice import PRIOR_SUFFIX
+from test_kernel_cache import written_over_the_bar
 
 BUSY = 20_000.0  # µs: the scheduler's time slice, what every candidate measured with load 5 on 2 cores
 
@@ -121,6 +122,7 @@ def test_a_busy_measurement_picks_the_prior_and_caches_nothing_as_measured(machi
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "look invalid" in line]
     assert len(lines) == len(SHAPES) and all("using the prior ranking for AVX-512 (torch-int4)" in line for line in lines)
+    assert written_over_the_bar(err, "[river-hf] kernel timings for") == len(SHAPES)  # tqdm.write: the bar unbroken
     assert any("128x256 look invalid (all candidates within 0.5 %" in line and "bandwidth-floor limit" in line
                for line in lines)
 
