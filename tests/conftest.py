@@ -57,3 +57,36 @@ def gsm8k_file(tmp_path_factory) -> str:
             {"question": "What is 1,000 + 234?", "answer": "#### 1,234"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+@pytest.fixture
+def scripted_tuner(monkeypatch):
+    """Scripted kernel timings: ``scripted_tuner(script)`` makes every ``KernelTuner.measure`` call
+    return ``script(tuner, candidates, linear, rows)`` (``{kernel name: µs per call}``) for the rest
+    of the test, and returns ``script`` (which may count its calls). Nothing then reads this
+    machine's speed."""
+    from river_hf.quant import KernelTuner
+
+    def install(script):
+        monkeypatch.setattr(KernelTuner, "measure",
+                            lambda tuner, candidates, linear, rows=1: script(tuner, candidates, linear, rows))
+        return script
+
+    return install
+
+
+@pytest.fixture
+def tiny_llama():
+    """A maker of the kernel tuner tests' model: each call a fresh tiny random Llama (3 layers,
+    hidden 128, intermediate 256, vocab 256; seed 0), fp32, eval mode, pad token 0."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    def make():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        model.generation_config.pad_token_id = 0
+        return model
+
+    return make

@@ -232,6 +232,28 @@ def test_generate_says_what_it_does_during_a_long_prefill_and_compare_unless_no_
     assert "--compare" not in err and "timing:" not in err
 
 
+@pytest.mark.parametrize("lossless", [False, True], ids=["route", "lossless"])
+def test_a_negative_tau_gets_one_line_saying_what_it_means_and_the_answer(tmp_path, lossless):
+    """`generate --tau -1` runs (exit 0) and stderr holds one line of the CLI's own, not the library's
+    UserWarning as well: route mode runs on the exit path (approximate tokens), lossless drafts there."""
+    folder = str(_tiny_model_folder(tmp_path / "tiny"))
+    res = run_cli("generate", "w3 w4", "--model", folder, "--tau", "-1", "--max-new-tokens", "3", "--backend", "copy",
+                  "--exit-head", "copy", "--no-progress", *(["--lossless"] if lossless else []), timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("river-hf: warning: --tau -1 is negative"), res.stderr
+    expected = "the answer is still the unmodified model's tokens" if lossless else "approximate tokens"
+    assert expected in lines[0] and "tau=-1 is negative" not in res.stderr
+    assert ("River lossless" if lossless else "100% of decode steps exited") in res.stdout
+
+
+def test_only_a_negative_tau_gets_a_note():
+    from river_hf.cli_args import negative_tau_note
+
+    assert negative_tau_note(None) is None and negative_tau_note(0.0) is None and negative_tau_note(2.0) is None
+    assert "(nearly) every decode step" in negative_tau_note(-0.5) and "so every decode step" in negative_tau_note(-2)
+
+
 def test_a_closed_pipe_ends_a_listing_quietly(tmp_path):
     """`river-hf kernels --list | head -1`: the reader closes the pipe; the command stops with exit 0 and
     no BrokenPipeError traceback."""

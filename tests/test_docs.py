@@ -106,3 +106,22 @@ def test_the_module_map_has_a_row_for_every_module():
         if not any(f"`{n}`" in doc for n in names):
             missing.append(rel)
     assert missing == [], f"docs/architecture.md has no row for {missing}"
+
+
+def test_the_serve_examples_serve_a_model_river_speeds_up():
+    """The README's `river-hf serve` example serves generate's default model (on a 135M model River and
+    lossless mode are slower than the plain model, docs/river.md), and its request names that model;
+    docs/serve.md's examples serve no 135M model either."""
+    from river_hf.river.cli import DEFAULT_MODEL
+
+    def fenced(path):
+        text = path.read_text(encoding="utf-8")
+        return "\n".join(re.findall(r"```[a-z]*\n(.*?)```", text, re.DOTALL))
+
+    readme = fenced(ROOT / "README.md")
+    served = re.findall(r"river-hf serve (\S+)", readme)
+    assert served == [DEFAULT_MODEL], served
+    assert set(re.findall(r'"model": "([^"]+)"', readme)) == {DEFAULT_MODEL}
+    examples = fenced(ROOT / "docs" / "serve.md")
+    assert re.findall(r"river-hf serve (\S+)", examples) and "135m" not in " ".join(
+        re.findall(r"river-hf serve (\S+)", examples) + re.findall(r'model[=:] ?"([^"]+)"', examples))

@@ -16,7 +16,6 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from river_hf import RiverForCausalLM, enable_river
 from river_hf.cli import main
@@ -60,19 +59,15 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache" / "kernels.json"
 
 
-def script(monkeypatch, **us) -> Script:
-    s = Script(**us)
-    monkeypatch.setattr(KernelTuner, "measure", lambda tuner, candidates, linear, rows=1: s(tuner, candidates, linear, rows))
-    return s
-
-
-def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.generation_config.pad_token_id = 0
-    return model
+def written_over_the_bar(err: str, start: str) -> int:
+    """How many lines starting with ``start`` ``err`` holds, after checking that each was written as
+    tqdm.write writes over a progress bar: on a terminal line of its own, the bar cleared (``\\r``,
+    blanks, ``\\r``) just before it where one was drawn; a plain print would follow the bar's text."""
+    rows = [row for row in err.split("\n") if start in row]  # what one terminal line shows
+    for row in rows:
+        *before, last = row.split("\r")
+        assert last.startswith(start) and (not before or before[-1].strip() == ""), repr(row)
+    return len(rows)
 
 
 def exit_logits(model) -> torch.Tensor:
@@ -88,8 +83,9 @@ def kernels_used(model) -> set[str]:
 # -- 1. the saved kernel choice -------------------------------------------------------------------
 
 
-def test_saved_folder_keeps_its_kernels_where_this_machine_would_measure_others(tmp_path, cache, monkeypatch):
-    first = script(monkeypatch, quanto_int4=50.0, torch_int4=90.0)  # the saving machine: quanto is faster
+def test_saved_folder_keeps_its_kernels_where_this_machine_would_measure_others(tmp_path, cache, monkeypatch,
+                                                                                scripted_tuner, tiny_llama):
+    first = scripted_tuner(Script(quanto_int4=50.0, torch_int4=90.0))  # the saving machine: quanto is faster
     model = enable_river(tiny_llama(), tau=0.9, backend="int4", exit_head="int4", progress=False)
     assert first.calls and kernels_used(model) == {"quanto-int4"}
     choice = model.river_config.kernel_choice
@@ -102,7 +98,7 @@ def test_saved_folder_keeps_its_kernels_where_this_machine_would_measure_others(
 
     # another machine (its own kernels.json) where torch-int4 measures faster
     monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "other-machine"))
-    second = script(monkeypatch, quanto_int4=90.0, torch_int4=50.0)
+    second = scripted_tuner(Script(quanto_int4=90.0, torch_int4=50.0))
     fresh = enable_river(tiny_llama(), tau=0.9, backend="int4", exit_head="int4", progress=False)
     assert kernels_used(fresh) == {"torch-int4"}  # a fresh build still measures
     second.calls.clear()
@@ -116,8 +112,8 @@ def test_saved_folder_keeps_its_kernels_where_this_machine_would_measure_others(
     assert kernels_used(RiverForCausalLM.from_pretrained(str(folder), progress=False)) == {"quanto-int4"}
 
 
-def test_saved_kernel_missing_here_warns_once_and_falls_back(tmp_path, cache, monkeypatch):
-    script(monkeypatch, quanto_int4=50.0, torch_int4=90.0)
+def test_saved_kernel_missing_here_warns_once_and_falls_back(tmp_path, cache, monkeypatch, scripted_tuner, tiny_llama):
+    scripted_tuner(Script(quanto_int4=50.0, torch_int4=90.0))
     model = enable_river(tiny_llama(), tau=0.9, backend="int4", exit_head="int4", progress=False)
     folder = tmp_path / "river-folder"
     model.save_pretrained(folder)
@@ -180,12 +176,12 @@ def good_entry(linear: nn.Linear, **overrides) -> dict:
     {"dtype": "no-such-dtype"},
     {"shape": "1x1"},
 ])
-def test_invalid_entries_are_dropped_and_measured_again(tmp_path, monkeypatch, damage):
+def test_invalid_entries_are_dropped_and_measured_again(tmp_path, damage, scripted_tuner):
     linear = nn.Linear(128, 64)
     path = tmp_path / "kernels.json"
     key = key_of(linear)
     path.write_text(json.dumps({"format": FORMAT_VERSION, "entries": {key: good_entry(linear, **damage)}}))
-    s = script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    s = scripted_tuner(Script(torch_int4=30.0, quanto_int4=40.0))
     tuner = KernelTuner(path)
     assert key in tuner.invalid
     kernel, timings = tuner.choose(INT4, linear)
@@ -194,35 +190,36 @@ def test_invalid_entries_are_dropped_and_measured_again(tmp_path, monkeypatch, d
     assert invalid == {} and entries[key]["timings_us"] == timings  # the file now holds the new, valid entry
 
 
-def test_old_flat_cache_with_nan_timings_is_measured_again(tmp_path, monkeypatch):
+def test_old_flat_cache_with_nan_timings_is_measured_again(tmp_path, scripted_tuner):
     """The layout before format 2 (``{key: timings}``): a NaN there used to decide by chance."""
     linear = nn.Linear(128, 64)
     path = tmp_path / "kernels.json"
     path.write_text(json.dumps({key_of(linear): {"torch-int4": math.nan, "quanto-int4": 20.0}}))
-    s = script(monkeypatch, torch_int4=30.0, quanto_int4=10.0)
+    s = scripted_tuner(Script(torch_int4=30.0, quanto_int4=10.0))
     assert KernelTuner(path).choose(INT4, linear)[0].name == "quanto-int4"
     assert s.calls == ["128x64"]
     assert json.loads(path.read_text())["format"] == FORMAT_VERSION
 
 
-def test_entry_of_another_version_is_measured_again(tmp_path, monkeypatch):
+def test_entry_of_another_version_is_measured_again(tmp_path, scripted_tuner):
     linear = nn.Linear(128, 64)
     path = tmp_path / "kernels.json"
     key = key_of(linear)
     update_cache(path, {key: good_entry(linear, river_hf_version="0.0.1")})
-    s = script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    s = scripted_tuner(Script(torch_int4=30.0, quanto_int4=40.0))
     tuner = KernelTuner(path)
     tuner.choose(INT4, linear)
     assert s.calls == ["128x64"] and "0.0.1" in tuner.remeasured[key]
 
 
-def test_entries_measured_under_load_are_measured_again_once_the_machine_is_quiet(tmp_path, monkeypatch):
+def test_entries_measured_under_load_are_measured_again_once_the_machine_is_quiet(tmp_path, monkeypatch,
+                                                                                  scripted_tuner):
     linear = nn.Linear(128, 64)
     path = tmp_path / "kernels.json"
     monkeypatch.setattr(autotune, "usable_cpus", lambda: 2)
     load = {"now": 6.0}  # 3 runnable threads per core: loaded (LOADED_LOAD_FACTOR 1.25)
     monkeypatch.setattr(autotune, "load_average", lambda: load["now"])
-    s = script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    s = scripted_tuner(Script(torch_int4=30.0, quanto_int4=40.0))
     KernelTuner(path).choose(INT4, linear)
     entry = read_cache(path)[0][key_of(linear)]
     assert entry["load_avg_1m"] == 6.0 and entry["cpus"] == 2 and s.calls == ["128x64"]
@@ -241,9 +238,9 @@ def test_entries_measured_under_load_are_measured_again_once_the_machine_is_quie
     assert len(s.calls) == 2
 
 
-def test_concurrent_writers_keep_every_entry(tmp_path, monkeypatch):
+def test_concurrent_writers_keep_every_entry(tmp_path, scripted_tuner):
     path = tmp_path / "kernels.json"
-    script(monkeypatch)
+    scripted_tuner(Script())
     shapes = [nn.Linear(32 * (i + 1), 64) for i in range(8)]
     tuners = [KernelTuner(path) for _ in shapes]  # all read the (empty) file before anyone writes
     start = threading.Barrier(len(shapes))
@@ -262,11 +259,11 @@ def test_concurrent_writers_keep_every_entry(tmp_path, monkeypatch):
     assert sorted(e["shape"] for e in entries.values()) == sorted(f"{m.in_features}x64" for m in shapes)
 
 
-def test_a_newer_format_is_left_alone(tmp_path, monkeypatch):
+def test_a_newer_format_is_left_alone(tmp_path, scripted_tuner):
     path = tmp_path / "kernels.json"
     newer = json.dumps({"format": FORMAT_VERSION + 1, "entries": {"x": 1}})
     path.write_text(newer)
-    script(monkeypatch)
+    scripted_tuner(Script())
     KernelTuner(path).choose(INT4, nn.Linear(128, 64))
     assert path.read_text() == newer
 
@@ -280,8 +277,8 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def test_cli_lists_and_remeasures(cache, monkeypatch, capsys):
-    s = script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+def test_cli_lists_and_remeasures(cache, capsys, scripted_tuner):
+    s = scripted_tuner(Script(torch_int4=30.0, quanto_int4=40.0))
     tuner = KernelTuner()
     tuner.choose(INT4, nn.Linear(128, 64))
     tuner.choose(INT4, nn.Linear(256, 128, bias=False))
@@ -333,15 +330,19 @@ def test_cli_list_and_remeasure_exclude_each_other(cache, capsys):
 
 
 
-def test_a_first_build_says_which_shapes_it_is_timing_and_a_cached_one_is_silent(cache, monkeypatch, capsys):
+def test_a_first_build_says_which_shapes_it_is_timing_and_a_cached_one_is_silent(cache, capsys, scripted_tuner,
+                                                                                 tiny_llama):
     """With the progress bar on, each shape the tuner measures gets one stderr line (a first build on a
-    machine sits there for seconds per shape); a second build reads the cache and prints none; a build
-    without progress prints none either, and the tuner keeps no callback afterwards."""
-    script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    machine sits there for seconds per shape), written through tqdm over the build's bar (the bar
+    cleared before the line, redrawn after it: no line starts in the middle of the bar); a second
+    build reads the cache and prints none; a build without progress prints none either, and the
+    tuner keeps no callback afterwards."""
+    scripted_tuner(Script(torch_int4=30.0, quanto_int4=40.0))
     enable_river(tiny_llama(), tau=0.9, backend="int4", progress=True)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("[river-hf] timing the exit kernels")]
     assert lines and all("once per machine, cached in" in line and str(cache) in line for line in lines)
+    assert written_over_the_bar(err, "[river-hf] timing") == len(lines)
     assert any("not cached" in line for line in lines)
     enable_river(tiny_llama(), tau=0.9, backend="int4", progress=True)
     assert "[river-hf] timing" not in capsys.readouterr().err
@@ -381,13 +382,13 @@ def test_alternating_medians_warms_up_untimed_and_reverses_the_order_every_other
     assert medians == {"a": 0.5e6, "b": 1e6}  # µs per kernel call: a run of "a" makes 2 calls
 
 
-def test_dense_mode_choices_share_the_exit_kernels_cache_file(cache, monkeypatch, capsys):
+def test_dense_mode_choices_share_the_exit_kernels_cache_file(cache, monkeypatch, capsys, scripted_tuner):
     """Lossless verify and dLLM-Cache's partial steps ask the same tuner: one kernels.json, one entry
     per shape and row count beside the one-row exit-kernel entries, trusted by the same rules,
     listed and re-measured by ``river-hf kernels``."""
     from river_hf.quant import dense
 
-    script(monkeypatch, torch_int4=30.0, quanto_int4=40.0)
+    scripted_tuner(Script(torch_int4=30.0, quanto_int4=40.0))
     KernelTuner().choose(INT4, nn.Linear(128, 64))
     measured = []
 

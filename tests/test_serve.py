@@ -201,6 +201,41 @@ def test_bad_requests_get_a_4xx_with_a_message_and_the_server_keeps_serving(tiny
     assert tiny_server.post(legacy, prompt="Hello", max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
+def test_a_completion_prompt_is_a_string_or_a_list_holding_one(tiny_server):
+    """OpenAI's list form of `prompt`: one string in a list is that prompt; several prompts or token
+    ids get a 422 that says what is accepted (not "`prompt` is required")."""
+    legacy = "/v1/completions"
+    as_list = tiny_server.post(legacy, prompt=["The capital of France is"], max_tokens=3)
+    as_string = tiny_server.post(legacy, prompt="The capital of France is", max_tokens=3)
+    assert as_list["choices"][0]["text"] == as_string["choices"][0]["text"]  # greedy: the same answer
+    assert as_list["usage"] == as_string["usage"]
+    details = {name: tiny_server.request("POST", legacy, {"prompt": prompt}) for name, prompt in
+               {"several": ["a", "b", "c"], "token ids": [1, 2, 3], "a number": 7, "missing": None}.items()}
+    assert {status for status, _ in details.values()} == {422}
+    assert "holds 3 prompts" in details["several"][1]["detail"]
+    assert "one prompt per request" in details["several"][1]["detail"]
+    assert "token ids is not supported" in details["token ids"][1]["detail"]
+    assert details["a number"][1]["detail"] == "`prompt` must be a non-empty string, or a list holding one, got int 7"
+    assert details["missing"][1]["detail"] == "`prompt` is required: a non-empty string, or a list holding one"
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
+                                 "top_logprobs", "best_of", "frequency_penalty", "presence_penalty"])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_is_not_a_number_in_any_numeric_field(key, value):
+    """JSON `true` / `false` where a number goes (Python's bool is an int: `true` would pass as 1,
+    `false` as 0) is a 422 that names the field and says a boolean is not a number."""
+    from fastapi import HTTPException
+
+    from river_hf.serve.requests import check_request
+
+    with pytest.raises(HTTPException) as e:
+        check_request({"messages": QUESTION, key: value}, chat=True, max_tokens_limit=64)
+    spelled = "true" if value else "false"
+    assert e.value.status_code == 422 and e.value.detail.startswith(f"`{key}` must be ")
+    assert e.value.detail.endswith(f"got {spelled} (a boolean is not a number)"), e.value.detail
+
+
 def test_a_prompt_of_no_tokens_is_refused():
     from fastapi import HTTPException
 

@@ -12,15 +12,14 @@ import json
 import warnings
 
 import pytest
-import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from river_hf import RiverForCausalLM, enable_river
 from river_hf.cli import main
 from river_hf.quant import KERNELS, KernelTuner, autotune, get_backend, kernel_cache, prior
 from river_hf.quant.autotune import read_cache
 from river_hf.quant.choice import PRIOR_SUFFIX
+from test_kernel_cache import written_over_the_bar
 
 BUSY = 20_000.0  # µs: the scheduler's time slice, what every candidate measured with load 5 on 2 cores
 
@@ -64,21 +63,6 @@ def machine(tmp_path, monkeypatch):
     return state
 
 
-def script(monkeypatch, *rounds, default=None) -> Script:
-    s = Script(*rounds, default=default)
-    monkeypatch.setattr(KernelTuner, "measure", lambda tuner, c, linear, rows=1: s(tuner, c, linear, rows))
-    return s
-
-
-def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 def kernels_used(model) -> set[str]:
     return {k["kernel"] for k in model.river_kernels()}
 
@@ -90,18 +74,19 @@ SHAPES = {"int4:128x128", "int4:128x64", "int4:128x256", "int4:256x128"}  # the 
 
 
 @pytest.mark.parametrize("load", [0.1, 5.0])
-def test_a_busy_measurement_picks_the_prior_and_caches_nothing_as_measured(machine, monkeypatch, capsys, load):
+def test_a_busy_measurement_picks_the_prior_and_caches_nothing_as_measured(machine, monkeypatch, capsys, load,
+                                                                           scripted_tuner, tiny_llama):
     """All candidates ~20 ms (the time slice): with the load average quiet (a burst it missed) the
     timings are invalid by themselves (within 2 %, far above the bandwidth floor) and are taken 3
     times; at load 5 on 2 cores once (a 1-minute average does not drop in a pause). Either way the
     exit Linears get the prior's kernel, which is what a quiet measurement picks on such a CPU."""
-    script(monkeypatch, QUIET)
+    scripted_tuner(Script(QUIET))
     quiet = kernels_used(enable_river(tiny_llama(), tau=0.9, backend="int4", exit_head="int4", progress=False,
                                       tuner=KernelTuner(False)))
     assert quiet == {"torch-int4"}
 
     machine["load"] = load
-    s = script(monkeypatch, busy_round("torch-int4", "ark-int4", "quanto-int4"))
+    s = scripted_tuner(Script(busy_round("torch-int4", "ark-int4", "quanto-int4")))
     model = enable_river(tiny_llama(), tau=0.9, backend="int4", exit_head="int4", progress=True)
     assert kernels_used(model) == quiet  # the prior for AVX-512 (without AMX): tinygemm
     tries = 1 if load > 2.5 else 3
@@ -121,6 +106,7 @@ def test_a_busy_measurement_picks_the_prior_and_caches_nothing_as_measured(machi
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "look invalid" in line]
     assert len(lines) == len(SHAPES) and all("using the prior ranking for AVX-512 (torch-int4)" in line for line in lines)
+    assert written_over_the_bar(err, "[river-hf] kernel timings for") == len(SHAPES)  # tqdm.write: the bar unbroken
     assert any("128x256 look invalid (all candidates within 0.5 %" in line and "bandwidth-floor limit" in line
                for line in lines)
 
@@ -136,11 +122,11 @@ def test_a_busy_measurement_picks_the_prior_and_caches_nothing_as_measured(machi
     assert kernels_used(again) == quiet and len(s.calls) == (0 if load > 2.5 else 3 * len(SHAPES))
 
 
-def test_an_entry_cached_before_the_rules_that_they_find_invalid_is_not_reused(machine, monkeypatch):
+def test_an_entry_cached_before_the_rules_that_they_find_invalid_is_not_reused(machine, scripted_tuner):
     """A kernels.json entry of an older build with time-slice timings (no "invalid" flag): not
     trusted as a measurement; quiet now, so measured again."""
     linear = nn.Linear(128, 64)
-    s = script(monkeypatch, {"torch-int4": BUSY, "quanto-int4": BUSY * 1.001, "ark-int4": 19_000.0})
+    s = scripted_tuner(Script({"torch-int4": BUSY, "quanto-int4": BUSY * 1.001, "ark-int4": 19_000.0}))
     tuner = KernelTuner(machine["file"])
     tuner.retries = 0
     assert tuner.choose(INT4, linear)[0].name == "torch-int4" and tuner.last_prior.startswith("AVX-512: ")
@@ -158,9 +144,9 @@ def test_an_entry_cached_before_the_rules_that_they_find_invalid_is_not_reused(m
 # -- (b) one noisy round, then a valid one ----------------------------------------------------------------
 
 
-def test_a_noisy_round_then_a_valid_one_uses_the_valid_one(machine, monkeypatch):
+def test_a_noisy_round_then_a_valid_one_uses_the_valid_one(machine, scripted_tuner):
     machine["features"] = "AVX-512/AMX"  # its prior (ARK) would differ from the valid measurement
-    s = script(monkeypatch, busy_round("torch-int4", "ark-int4", "quanto-int4"), QUIET)
+    s = scripted_tuner(Script(busy_round("torch-int4", "ark-int4", "quanto-int4"), QUIET))
     tuner = KernelTuner(machine["file"])
     kernel, timings = tuner.choose(INT4, nn.Linear(128, 64))
     assert kernel.name == "torch-int4" and timings == QUIET and tuner.last_prior is None
@@ -187,9 +173,10 @@ def test_invalid_reason_rules():
 # -- (c) a saved folder whose choice came from the prior ---------------------------------------------------
 
 
-def test_a_folder_saved_under_load_is_revalidated_at_a_quiet_load(tmp_path, machine, monkeypatch, capsys):
+def test_a_folder_saved_under_load_is_revalidated_at_a_quiet_load(tmp_path, machine, capsys, scripted_tuner,
+                                                                  tiny_llama):
     machine.update(load=5.0, features="AVX-512/AMX")  # under load, the prior for AMX: ARK
-    s = script(monkeypatch, busy_round("torch-int4", "ark-int4", "quanto-int4"))
+    s = scripted_tuner(Script(busy_round("torch-int4", "ark-int4", "quanto-int4")))
     model = enable_river(tiny_llama(), tau=0.9, backend="int4", exit_head="int4", progress=False)
     assert kernels_used(model) == {"ark-int4"}
     folder = tmp_path / "river-folder"
@@ -231,13 +218,13 @@ def test_a_folder_saved_under_load_is_revalidated_at_a_quiet_load(tmp_path, mach
     ({"avx2", "fma"}, "AVX2", "torch-int4", "torch-int8"),
     ({"sse4_2"}, "baseline", "torch-int4", "torch-int8"),
 ])
-def test_the_prior_ranking_per_feature_set(machine, monkeypatch, flags, features, int4, int8):
+def test_the_prior_ranking_per_feature_set(machine, flags, features, int4, int8, scripted_tuner):
     assert prior.features_of(flags) == features
     machine["features"] = features
     for width, expected in (("int4", int4), ("int8", int8)):
         candidates = get_backend(width).candidates
         assert prior.prior_kernel([k.name for k in candidates], features) == expected
-        s = script(monkeypatch, busy_round(*(k.name for k in candidates)))
+        s = scripted_tuner(Script(busy_round(*(k.name for k in candidates))))
         tuner = KernelTuner(False)
         assert tuner.choose(candidates, nn.Linear(256, 128))[0].name == expected
         assert tuner.last_prior.startswith(f"{features}: ") and len(s.calls) == 3

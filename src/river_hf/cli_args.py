@@ -1,7 +1,7 @@
 """Command-line argument helpers shared by every ``river-hf`` subcommand: the River settings
 (``add_river_arguments``, ``river_overrides``), counts and τ lists (``positive_int``,
-``parse_taus``), and output paths checked before any model runs (``check_output_path``,
-``check_writable_place``).
+``parse_taus``), the one line a negative ``--tau`` gets (``negative_tau_noted``), and output
+paths checked before any model runs (``check_output_path``, ``check_writable_place``).
 
 Imports only :mod:`river_hf.errors` (no torch), so ``river-hf --help`` stays fast.
 """
@@ -9,14 +9,17 @@ Imports only :mod:`river_hf.errors` (no torch), so ``river-hf --help`` stays fas
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from .errors import RiverError
 
 __all__ = ["positive_int", "KERNEL_CHOICES", "add_river_arguments", "river_overrides", "parse_taus",
-           "check_output_path", "check_writable_place", "existing_report"]
+           "negative_tau_note", "negative_tau_noted", "check_output_path", "check_writable_place", "existing_report"]
 
 
 def positive_int(text: str) -> int:
@@ -109,6 +112,46 @@ def parse_taus(values) -> list[float]:
             if tau not in taus:
                 taus.append(tau)
     return taus
+
+
+#: The start of the library's negative-τ warning (``river.config.warn_if_negative_tau``), as a
+#: ``warnings.filterwarnings`` pattern: where the CLI prints :func:`negative_tau_note`, it drops that one.
+NEGATIVE_TAU_WARNING = r"tau=\S+ is negative"
+
+
+def negative_tau_note(tau: float | None, *, lossless: bool = False) -> str | None:
+    """The one stderr line for a negative ``--tau`` (None for any other τ). The state transition
+    similarity is a cosine in [-1, 1] and a backbone layer exits when it exceeds τ (River-LLM,
+    Sec. 3.2), so below 0 (nearly) every pass exits at the first layer ``--min-layer`` allows:
+    in route mode every token runs on the exit path (about the fully quantized model's speed,
+    approximate tokens); in lossless mode only the drafts do (the answer stays the unmodified
+    model's)."""
+    if tau is None or not tau < 0:
+        return None
+    every = "every" if tau < -1 else "(nearly) every"
+    if lossless:
+        what = (f"{every} draft leaves the backbone at the first layer --min-layer allows: the drafts come from the "
+                "exit path, the answer is still the unmodified model's tokens; use τ in (0, 1) to exit only where "
+                "the backbone layers change the hidden state little")
+    else:
+        what = (f"{every} decode step leaves the backbone at the first layer --min-layer allows: the model runs each "
+                "token on the exit path (about the fully quantized model's speed, approximate tokens); use τ in "
+                "(0, 1) for early exit, above 1 for the unmodified model")
+    return f"river-hf: warning: --tau {tau:g} is negative, so {what}"
+
+
+@contextlib.contextmanager
+def negative_tau_noted(tau: float | None, *, lossless: bool = False):
+    """Print :func:`negative_tau_note` on stderr (when τ is negative) and, within the block (the
+    model's load), drop the library's own warning about that τ, so the user reads one line."""
+    note = negative_tau_note(tau, lossless=lossless)
+    if note is None:
+        yield
+        return
+    print(note, file=sys.stderr, flush=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NEGATIVE_TAU_WARNING, category=UserWarning)
+        yield
 
 
 def check_output_path(path: str | os.PathLike, flag: str = "--out", suffix: str = ".json") -> Path:

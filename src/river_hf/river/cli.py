@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import RiverError
-from ..cli_args import add_river_arguments, check_lossless_flags, positive_int, river_overrides
+from ..cli_args import add_river_arguments, check_lossless_flags, negative_tau_noted, positive_int, river_overrides
 from ..models import encode_prompt
 from .cli_common import BACKBONE_REFERENCE, TOKENIZER_FILES, check_model, unmodified  # noqa: F401  (old home)
 
@@ -108,8 +108,9 @@ def _generate(args, tau, *, progress: bool) -> int:
         raise RiverError(f"--max-new-tokens {args.max_new_tokens} does not fit: the prompt has {prompt_tokens} tokens and "
                          f"this model's context is {context}; use at most {max(context - prompt_tokens, 0)}")
     overrides = river_overrides(args)
-    model = RiverForCausalLM.from_pretrained(args.model, tau=tau, dtype=dtype, device_map=device, config=config,
-                                             progress=progress, **overrides)
+    with negative_tau_noted(tau, lossless=args.lossless):  # one line of its own instead of the library's warning
+        model = RiverForCausalLM.from_pretrained(args.model, tau=tau, dtype=dtype, device_map=device, config=config,
+                                                 progress=progress, **overrides)
     if args.draft_tokens is not None:
         model.river_config = dataclasses.replace(model.river_config, draft_tokens=args.draft_tokens)
     river_mode = "lossless" if args.lossless else "route"

@@ -15,7 +15,8 @@ import math
 import socket
 import sys
 
-from ..cli_args import add_river_arguments, check_lossless_flags, parse_taus, positive_int, river_overrides
+from ..cli_args import (add_river_arguments, check_lossless_flags, negative_tau_noted, parse_taus, positive_int,
+                        river_overrides)
 from ..errors import RiverError
 
 #: The packages the server needs (the ``serve`` extra).
@@ -120,8 +121,9 @@ def run_serve(args) -> int:
     hf_logging.get_logger("transformers").setLevel(hf_logging.log_levels[args.log_level])
     if args.no_progress:
         hf_logging.disable_progress_bar()
-    model, tokenizer = load_model(args.model, river_kwargs=settings, draft_tokens=args.draft_tokens, device=device,
-                                  dtype="float32" if device == "cpu" else "bfloat16", progress=not args.no_progress)
+    with negative_tau_noted(settings.get("tau"), lossless=args.lossless):
+        model, tokenizer = load_model(args.model, river_kwargs=settings, draft_tokens=args.draft_tokens, device=device,
+                                      dtype="float32" if device == "cpu" else "bfloat16", progress=not args.no_progress)
     mode = "lossless" if args.lossless else "route"
     app = build_app(model, tokenizer, args.model, max_tokens_limit=args.max_tokens_limit, batching=not args.fifo,
                     max_batch_size=args.max_batch_size)

@@ -9,6 +9,7 @@ generation settings, so every check runs on the event loop before the request is
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from fastapi import HTTPException
@@ -30,6 +31,11 @@ UNSUPPORTED = {
     "best_of": (None, 1), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
 }
+
+
+#: The fields of :data:`UNSUPPORTED` that OpenAI's API types as numbers (a boolean there is refused,
+#: though ``false == 0`` in Python).
+NUMERIC_UNSUPPORTED = ("top_logprobs", "best_of", "frequency_penalty", "presence_penalty")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +70,36 @@ def _bad(message: str, status: int = 422):
     raise HTTPException(status_code=status, detail=message)
 
 
+def _shown(value) -> str:
+    """``value`` as the request spelled it (JSON: ``true``, ``"many"``), cut to 100 characters."""
+    return json.dumps(value)[:100]
+
+
+def _not_bool(key: str, value, kind: str = "a number") -> None:
+    """Refuse a JSON boolean where a number is expected (Python's ``bool`` is an ``int``, so every
+    numeric check asks this first)."""
+    if isinstance(value, bool):
+        _bad(f"`{key}` must be {kind}, got {_shown(value)} (a boolean is not a number)")
+
+
+def _integer(body: dict, key: str) -> int | None:
+    """``body[key]`` as an integer (None when absent or null); 422 for a boolean or a non-integer."""
+    value = body.get(key)
+    if value is None:
+        return None
+    _not_bool(key, value, "an integer")
+    if not isinstance(value, int):
+        _bad(f"`{key}` must be an integer, got {_shown(value)}")
+    return value
+
+
 def _number(body: dict, key: str, low: float, high: float, *, low_open: bool = False):
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _bad(f"`{key}` must be a number, got {value!r}")
+    _not_bool(key, value)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        _bad(f"`{key}` must be a number, got {_shown(value)}")
     if value > high or value < low or (low_open and value == low):
         _bad(f"`{key}` must be {'above' if low_open else 'from'} {low} {'and at most' if low_open else 'to'} {high}, "
              f"got {value}")
@@ -88,11 +118,14 @@ def check_request(body: dict, *, chat: bool, max_tokens_limit: int | None, model
     Raises:
         HTTPException: 404 for another ``model``; 422 with a message for: no ``messages`` (or not a
             non-empty list of objects with a role of :data:`ROLES` and a string or list-of-text-parts
-            ``content``); no ``prompt`` or an empty one, or not a string; ``max_tokens`` not an
-            integer in 1..``max_tokens_limit``; ``temperature`` not a number in [0, 2]; ``top_p``
-            not in (0, 1]; ``n`` other than 1; ``stop`` not a string or a list of up to 4 non-empty
+            ``content``); no ``prompt`` or an empty one, or not a string or a list holding one
+            (several prompts and token-id prompts are refused); ``max_tokens`` not an integer in
+            1..``max_tokens_limit``; ``temperature`` not a number in [0, 2]; ``top_p`` not in
+            (0, 1]; ``n`` other than 1; ``stop`` not a string or a list of up to 4 non-empty
             strings; ``seed`` not an integer; ``stream`` not a boolean; a field of
-            :data:`UNSUPPORTED` switched on.
+            :data:`UNSUPPORTED` switched on; a boolean in any numeric field (``max_tokens``,
+            ``temperature``, ``n``, ``seed``, :data:`NUMERIC_UNSUPPORTED`; Python's ``bool`` is an
+            ``int``, JSON's boolean is not a number).
     """
     model = body.get("model")
     if model_name is not None and model is not None and model != model_name:
@@ -104,37 +137,52 @@ def check_request(body: dict, *, chat: bool, max_tokens_limit: int | None, model
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 _bad(f"messages[{i}] must be an object with a `role` of {', '.join(ROLES)}, got "
-                     f"{m.get('role') if isinstance(m, dict) else m!r}")
+                     f"{_shown(m.get('role') if isinstance(m, dict) else m)}")
             _message_text(m.get("content"), f"messages[{i}].content")
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            _bad("`prompt` is required: a non-empty string (one prompt per request)")
+        _prompt_text(body.get("prompt"))
     for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
-        value = body.get(key)
+        value = _integer(body, key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            _bad(f"`{key}` must be an integer, got {value!r}")
         if value < 1 or (max_tokens_limit is not None and value > max_tokens_limit):
             _bad(f"`{key}` must be from 1 to {max_tokens_limit}, got {value}")
     _number(body, "temperature", 0.0, 2.0)
     _number(body, "top_p", 0.0, 1.0, low_open=True)
-    if body.get("n") not in (None, 1):
-        _bad(f"`n` must be 1 (one answer per request), got {body.get('n')!r}")
+    if _integer(body, "n") not in (None, 1):
+        _bad(f"`n` must be 1 (one answer per request), got {body['n']}")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
     if stop is not None and (not isinstance(stops, list) or len(stops) > MAX_STOPS
                              or not all(isinstance(s, str) and s for s in stops)):
-        _bad(f"`stop` must be a non-empty string or a list of up to {MAX_STOPS} of them, got {stop!r}")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        _bad(f"`seed` must be an integer, got {seed!r}")
+        _bad(f"`stop` must be a non-empty string or a list of up to {MAX_STOPS} of them, got {_shown(stop)}")
+    _integer(body, "seed")
     if not isinstance(body.get("stream", False), bool):
-        _bad(f"`stream` must be true or false, got {body.get('stream')!r}")
+        _bad(f"`stream` must be true or false, got {_shown(body.get('stream'))}")
     for key, off in UNSUPPORTED.items():
+        if key in NUMERIC_UNSUPPORTED and body.get(key) is not None:
+            _not_bool(key, body[key])
         if body.get(key) not in off:
-            _bad(f"`{key}` is not supported by river-hf serve (got {body[key]!r}); drop it")
+            _bad(f"`{key}` is not supported by river-hf serve (got {_shown(body[key])}); drop it")
+
+
+def _prompt_text(prompt) -> str:
+    """The text of ``/v1/completions``' ``prompt``: a non-empty string, or OpenAI's list form
+    holding one such string. Several prompts (OpenAI answers each) and token-id prompts are
+    refused: a request here is one generate row, answered as one choice."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    accepted = "a non-empty string, or a list holding one"
+    if prompt is None or prompt in ("", []):
+        _bad(f"`prompt` is required: {accepted}")
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        _bad(f"`prompt` holds {len(prompt)} prompts; river-hf serve answers one prompt per request (send one "
+             "request per prompt)")
+    if isinstance(prompt, list) and all(isinstance(p, (int, list)) and not isinstance(p, bool) for p in prompt):
+        _bad(f"`prompt` as token ids is not supported; send the text: {accepted}")
+    _bad(f"`prompt` must be {accepted}, got {type(prompt).__name__} {_shown(prompt)}")
 
 
 def _message_text(content, where: str) -> str:
@@ -145,10 +193,10 @@ def _message_text(content, where: str) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                _bad(f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported, got {part!r}")
+                _bad(f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported, got {_shown(part)}")
             parts.append(part["text"])
         return "".join(parts)
-    _bad(f"{where} must be a string or a list of text parts, got {content!r}")
+    _bad(f"{where} must be a string or a list of text parts, got {_shown(content)}")
 
 
 def prepare(body: dict, tokenizer, *, chat: bool, max_tokens_limit: int | None, model_name: str | None,
@@ -182,7 +230,7 @@ def prepare(body: dict, tokenizer, *, chat: bool, max_tokens_limit: int | None, 
         except Exception as e:  # noqa: BLE001 - a template's own refusal (e.g. roles out of order)
             _bad(f"the model's chat template cannot render these messages: {str(e).splitlines()[0][:300]}")
     else:
-        encoded = tokenizer(body["prompt"])
+        encoded = tokenizer(_prompt_text(body["prompt"]))
     ids = encoded["input_ids"]
     ids = ids.reshape(-1).tolist() if hasattr(ids, "reshape") else list(ids[0] if ids and isinstance(ids[0], list)
                                                                        else ids)
