@@ -215,7 +215,7 @@ def test_a_sliding_window_the_call_may_outgrow_falls_back():
 
 def test_smollm2_greedy_batch_equals_the_plain_model(smollm2_path):
     """The real SmolLM2-135M (River defaults: int4 exit layers, its calibrated τ): a batch of 3 chat
-    prompts of different lengths, left-padded, 16 new tokens."""
+    prompts of different lengths, left-padded, 16 new tokens, streamed."""
     from transformers import AutoTokenizer
 
     from river_hf import RiverForCausalLM, plain_model
@@ -228,11 +228,15 @@ def test_smollm2_greedy_batch_equals_the_plain_model(smollm2_path):
              for t in texts]
     enc = tok(chats, return_tensors="pt", padding=True)
     ref = plain.generate(**enc, max_new_tokens=16, **GEN)
+    streamer = Recorder()
     with river.river_mode("lossless"):
-        out = river.generate(**enc, max_new_tokens=16, **GEN)
+        out = river.generate(**enc, max_new_tokens=16, streamer=streamer, **GEN)
     assert torch.equal(out, ref)
     ll = river.river_stats["lossless"]
     assert ll["batch_size"] == 3 and ll["accepted"] > 0
+    # with a streamer: still lossless, its puts (after the prompt) are the returned new tokens
+    assert river.river_stats["mode"] == "lossless" and streamer.ended
+    assert torch.equal(torch.cat(streamer.puts[1:], -1), out[:, enc["input_ids"].shape[1]:])
 
 
 def test_a_processor_that_says_it_is_history_free_keeps_the_batch_drafting():
