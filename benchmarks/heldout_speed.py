@@ -10,7 +10,10 @@ each (every row exactly ``--new-tokens``; tokens/s count every row's tokens). Me
 - ``river``: River with the model's own settings (``configs/<key>.json``: τ, min layer, int4 exit
   layers and head, the prompt on the backbone);
 - ``exit``: fully quantized (``river_mode("exit")``: every layer its exit copy, the exit head);
-- ``lossless``: River lossless with the model's own settings (the plain model's tokens);
+- ``lossless``: River lossless with the model's own settings (the plain model's tokens); with
+  ``--batch N`` River's batched lossless loop, whose streamer puts (rectangles of final columns,
+  the first right after the prefill) the ``TokenTimer`` counts like any batch: every row's tokens
+  once, ``returned_tokens`` = rows x new columns;
 - ``unmodified-bf16``, ``river-bf16``, ``exit-bf16``: the same with the backbone loaded in bf16
   (a second load; the exit layers' kernels are chosen for bf16 inputs);
 - ``unmodified-onednn``: the plain fp32 model with every Linear call (one row included) on oneDNN

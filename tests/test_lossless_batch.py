@@ -215,7 +215,7 @@ def test_a_sliding_window_the_call_may_outgrow_falls_back():
 
 def test_smollm2_greedy_batch_equals_the_plain_model(smollm2_path):
     """The real SmolLM2-135M (River defaults: int4 exit layers, its calibrated τ): a batch of 3 chat
-    prompts of different lengths, left-padded, 16 new tokens."""
+    prompts of different lengths, left-padded, 16 new tokens, streamed."""
     from transformers import AutoTokenizer
 
     from river_hf import RiverForCausalLM, plain_model
@@ -228,11 +228,15 @@ def test_smollm2_greedy_batch_equals_the_plain_model(smollm2_path):
              for t in texts]
     enc = tok(chats, return_tensors="pt", padding=True)
     ref = plain.generate(**enc, max_new_tokens=16, **GEN)
+    streamer = Recorder()
     with river.river_mode("lossless"):
-        out = river.generate(**enc, max_new_tokens=16, **GEN)
+        out = river.generate(**enc, max_new_tokens=16, streamer=streamer, **GEN)
     assert torch.equal(out, ref)
     ll = river.river_stats["lossless"]
     assert ll["batch_size"] == 3 and ll["accepted"] > 0
+    # with a streamer: still lossless, its puts (after the prompt) are the returned new tokens
+    assert river.river_stats["mode"] == "lossless" and streamer.ended
+    assert torch.equal(torch.cat(streamer.puts[1:], -1), out[:, enc["input_ids"].shape[1]:])
 
 
 def test_a_processor_that_says_it_is_history_free_keeps_the_batch_drafting():
@@ -257,3 +261,78 @@ def test_a_processor_that_says_it_is_history_free_keeps_the_batch_drafting():
                              logits_processor=LogitsProcessorList([MaskIds()]), **GEN)
     assert torch.equal(out, ref)
     assert river.river_stats["mode"] == "lossless" and river.river_stats["lossless"]["batch_size"] == 2
+
+
+class Recorder:
+    """A ``BaseStreamer`` that keeps every put (a copy) and whether ``end`` was called."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        assert not self.ended
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+def _early_eos(base, ids, mask, new=30):
+    """``(token, step)``: a token row 1 emits at ``step`` >= 4 of the free greedy run that no row
+    emitted before (as EOS it ends row 1 there, first of all rows)."""
+    n = ids.shape[1]
+    free = base.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **GEN)[:, n:]
+    return next((t, j) for j, t in enumerate(free[1].tolist()) if j >= 4 and not (free[:, :j] == t).any())
+
+
+def test_a_streamer_gets_rectangles_of_final_columns_and_the_batch_stays_lossless():
+    """Batch 4, rows of different lengths, row 1 finishing early by EOS: the call drafts and
+    verifies (mode lossless, no fallback warning), the streamer gets the prompt once, then
+    ``[4, n]`` rectangles (the first new-token column alone, right after the prefill), and the
+    puts concatenated are the returned new tokens, which are the plain model's (with or without
+    a streamer: its puts concatenated are the same)."""
+    base = tiny_model("llama")
+    river = river_copy(base)
+    ids, mask = left_padded()
+    n = ids.shape[1]
+    eos, step = _early_eos(base, ids, mask)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=1, **GEN)
+    plain = Recorder()
+    ref = base.generate(**gen, streamer=plain)
+    streamer = Recorder()
+    with river.river_mode("lossless"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: the batch drafts with a streamer
+        out = river.generate(**gen, streamer=streamer)
+    assert torch.equal(out, ref)
+    s = river.river_stats
+    assert s["mode"] == "lossless" and s["lossless"]["batch_size"] == 4 and s["lossless"]["accepted"] > 0
+    assert streamer.ended and torch.equal(streamer.puts[0], ids)
+    cols = streamer.puts[1:]
+    assert all(c.dim() == 2 and c.shape[0] == 4 and c.shape[1] >= 1 for c in cols)
+    assert cols[0].shape[1] == 1  # the first new token of every row, right after the prefill
+    assert torch.equal(torch.cat(cols, -1), out[:, n:])
+    assert torch.equal(torch.cat([p.reshape(4, -1) for p in plain.puts[1:]], -1), out[:, n:])
+    assert len(cols) < out.shape[1] - n  # rounds brought several columns at once
+    ends = [row[n:].tolist().index(eos) + 1 if eos in row[n:].tolist() else 30 for row in out]
+    assert ends[1] == step + 1 < max(ends)  # row 1 finished early, the others went on (it was padded)
+
+
+def test_token_timer_counts_every_row_of_a_batch_once():
+    """river_hf.timing.TokenTimer on a batched lossless call and on the plain model's batch: its new
+    tokens are every row's (B x new columns, as returned), the first column is the TTFT's."""
+    from river_hf.timing import TokenTimer
+
+    base = tiny_model("qwen2")
+    river = river_copy(base)
+    ids, mask = left_padded((9, 4, 7))
+    n = ids.shape[1]
+    for model, mode in ((base, None), (river, "lossless")):
+        timer = TokenTimer()
+        with (river.river_mode(mode) if mode else warnings.catch_warnings()):
+            timer.reset()
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=17, streamer=timer, **GEN)
+        returned = out[:, n:].numel()
+        m = timer.measurement(returned_tokens=returned)
+        assert m.new_tokens == returned == 3 * 17 and m.decode_tokens == returned - 3
+        assert m.decode_steps == len(timer.arrivals) - 1
+    assert river.river_stats["mode"] == "lossless" and m.decode_steps < 16

@@ -5,7 +5,8 @@ random River model for the protocol (JSON and SSE shapes of both endpoints, ``[D
 ``river`` key, every refused request, stop strings, batching and FIFO), and on SmolLM2-135M for
 real answers (River route mode, batched rows equal to their answers alone, a client that leaves
 mid-stream). The real command (``river-hf serve ... --port 0``) in subprocesses: its ready line,
-``--fifo``, lossless answers equal to the plain model's, a clean stop on SIGINT. Plus what
+``--fifo``, lossless answers equal to the plain model's, a clean stop on SIGINT (batched lossless
+requests: ``test_serve_lossless.py``). Plus what
 ``transformers serve`` does with a saved River folder.
 """
 
@@ -422,7 +423,7 @@ def test_lossless_answers_equal_the_plain_transformers_model(smollm2):
     model, tok = smollm2
     server = Server(MODEL, "--lossless", "--continuous-batching")
     try:
-        assert "River lossless" in server.ready_line and "one request at a time" in server.ready_line
+        assert "River lossless" in server.ready_line and "batches of up to 8" in server.ready_line
         for i, prompt in enumerate(PROMPTS[:2]):
             messages = [{"role": "user", "content": prompt}]
             inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",

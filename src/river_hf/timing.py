@@ -43,11 +43,15 @@ __all__ = ["TokenTimer", "Measurement", "stream_bandwidth", "memory_bandwidth_gb
 
 
 class TokenTimer(BaseStreamer):
-    """A ``generate`` streamer that records when each new token arrives (batch 1).
+    """A ``generate`` streamer that records when each new token arrives.
 
     ``generate`` calls ``put`` once with the prompt, then with each new token (or several at once,
-    in assisted generation), then ``end``. Pass ``inner`` to also stream to another streamer
-    (e.g. a ``TextStreamer``). Times are ``time.perf_counter()`` seconds.
+    in assisted generation), then ``end``. Each put counts ``value.numel()`` tokens, so a batch
+    counts every row: ``generate`` puts ``[B]`` per step (finished rows padded), River's batched
+    lossless loop ``[B, n]`` rectangles whose concatenation is the returned new tokens
+    (:mod:`river_hf.river.lossless_batch`), its first put right after the prefill; the tokens of
+    a batch are then ``B`` x the returned new columns, each counted once. Pass ``inner`` to also
+    stream to another streamer (e.g. a ``TextStreamer``). Times are ``time.perf_counter()`` seconds.
 
     Attributes:
         start: when the timer was made (call it right before ``generate``), or set by :meth:`reset`.
@@ -80,11 +84,11 @@ class TokenTimer(BaseStreamer):
 
         Args:
             weight_bytes_per_step: mean weight bytes read per decode step, when known.
-            returned_tokens: the new tokens ``generate`` actually returned. A stop string (or a
-                stopping criterion inside an assisted-decoding round) can cut the output after
-                the streamer was already given more tokens; only the first ``returned_tokens``
-                streamed tokens are then counted, and the run ends when the last of them arrived.
-                None: every streamed token counts.
+            returned_tokens: the new tokens ``generate`` actually returned (a batch: rows x new
+                columns). A stop string (or a stopping criterion inside an assisted-decoding
+                round, batch 1) can cut the output after the streamer was already given more
+                tokens; only the first ``returned_tokens`` streamed tokens are then counted, and
+                the run ends when the last of them arrived. None: every streamed token counts.
 
         Raises:
             ValueError: no new token came (or ``returned_tokens`` < 1).
@@ -149,7 +153,8 @@ class Measurement:
 
 
 def measure_generate(model, inputs: dict, **generate_kwargs) -> Measurement:
-    """Run ``model.generate(**inputs, **generate_kwargs)`` under a :class:`TokenTimer` (batch 1).
+    """Run ``model.generate(**inputs, **generate_kwargs)`` under a :class:`TokenTimer` (any batch:
+    tokens count every row).
 
     A River model's ``river_stats["weight_bytes_per_token"]`` gives the weight bytes (converted to
     per streamer step: in assisted or lossless decoding one step brings several tokens); otherwise
@@ -171,16 +176,17 @@ def measure_generate(model, inputs: dict, **generate_kwargs) -> Measurement:
 
 
 def _returned_tokens(out, inputs: dict) -> int | None:
-    """New tokens of a batch-1 ``generate`` output (a tensor or a ``GenerateOutput``), or None."""
+    """New tokens of a ``generate`` output (a tensor or a ``GenerateOutput``): rows x new columns
+    (padding after a row's EOS included, as the streamer was given it), or None."""
     import torch
 
     seq = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-    if not isinstance(seq, torch.Tensor) or seq.dim() != 2 or seq.shape[0] != 1:
+    if not isinstance(seq, torch.Tensor) or seq.dim() != 2:
         return None
     prompt = inputs.get("input_ids", inputs.get("inputs"))
     if isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
-        return int(seq.shape[1] - prompt.shape[1])
-    return int(seq.shape[1]) if inputs.get("inputs_embeds") is not None else None
+        return int(seq.shape[0] * (seq.shape[1] - prompt.shape[1]))
+    return int(seq.shape[0] * seq.shape[1]) if inputs.get("inputs_embeds") is not None else None
 
 
 def spread(values: list[float], *, runs: bool = True) -> dict:

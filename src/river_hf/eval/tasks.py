@@ -1,7 +1,10 @@
 """Evaluation tasks of ``river-hf eval``: GSM8K, HumanEval and agreement with the unmodified model.
 
 Every task runs one River model at each requested τ on the same items, greedily, one prompt at a
-time (batch 1, as River-LLM decodes), with the chat template for instruct models. Accuracy is
+time (batch 1, as River-LLM decodes) or, for GSM8K and HumanEval, ``batch_size`` prompts per
+``generate`` call (left-padded; each completion post-processed as at batch 1), with the chat
+template for instruct models. In a batch a sample's ``mean_exit_layer`` and
+``exit_layer_counts`` are its call's (shared by the rows of that call). Accuracy is
 scored by the `evaluate` metric modules shipped in :mod:`river_hf.eval.metrics`.
 
 Figures per τ (River-LLM, Sec. 4 "Evaluation"): task score, mean exit layer (backbone layers run
@@ -42,33 +45,96 @@ __all__ = [
 ]
 
 class _CodeBlockDone:
-    """Stopping criterion: the reply (after the prompt) holds a closed ``` code block."""
+    """Stopping criterion: the reply (after the prompt) holds a closed ``` code block. Records
+    ``done_at[b]``, the length of row ``b`` (prompt padding included) when it first held one."""
 
     def __init__(self, tokenizer, prompt_len: int):
         self.tokenizer, self.prompt_len = tokenizer, prompt_len
+        self.done_at: dict[int, int] = {}
 
     def __call__(self, input_ids, scores, **kwargs):
-        done = [self.tokenizer.decode(row[self.prompt_len:]).count("```") >= 2 for row in input_ids]
+        for b, row in enumerate(input_ids):
+            if b not in self.done_at and self.tokenizer.decode(row[self.prompt_len:]).count("```") >= 2:
+                self.done_at[b] = int(input_ids.shape[1])
+        done = [b in self.done_at for b in range(input_ids.shape[0])]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
-def _generate(model, tokenizer, text: str, max_new_tokens: int, code_block_stop: bool = False) -> dict:
-    """Greedy generation of one prompt; returns the reply text and River's stats for the call."""
+def _left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, ``LongTensor [B, longest]`` each: the ``[1, n]`` prompts
+    right-aligned, ``pad`` and mask 0 before the shorter ones (as ``generate`` wants a batch)."""
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1]:] = p[0]
+        mask[b, width - p.shape[1]:] = 1
+    return ids, mask
+
+
+def _generate(model, tokenizer, texts: list[str], max_new_tokens: int,
+              code_block_stop: bool = False) -> tuple[list[dict], dict]:
+    """Greedy generation of ``texts`` as ONE ``generate`` call (one prompt: as it stands; several:
+    left-padded with an attention mask, as ``generate`` batches them).
+
+    Returns ``(rows, call)``: per text its reply ``text`` and ``new_tokens`` (the row's tokens up
+    to its first EOS or the point where the code-block criterion ended it, EOS included, padding
+    after it left out); ``call``: River's figures of the call (``seconds``, ``mean_exit_layer``,
+    ``decode_steps`` passes after the prefill, ``decode_rows`` row-passes, ``exit_layer_counts``,
+    ``step_bytes`` weight bytes its decode passes read in all and ``bytes_steps`` the steps they
+    count: at batch 1 :func:`step_bytes` over the exit-layer counts, in a batch the passes'
+    ``river_stats["weight_bytes_per_token"]`` x decode tokens over the passes, since one pass
+    reads each weight once for every row)."""
     from transformers import StoppingCriteriaList
 
-    ids = encode_prompt(tokenizer, text)["input_ids"].to(model.device)
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
-                  pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-    if code_block_stop:
-        kwargs["stopping_criteria"] = StoppingCriteriaList([_CodeBlockDone(tokenizer, ids.shape[1])])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids, mask = _left_padded([encode_prompt(tokenizer, t)["input_ids"] for t in texts], pad)
+    ids, mask, width = ids.to(model.device), mask.to(model.device), ids.shape[1]
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=mask, pad_token_id=pad)
+    stop = _CodeBlockDone(tokenizer, width) if code_block_stop else None
+    if stop is not None:
+        kwargs["stopping_criteria"] = StoppingCriteriaList([stop])
     out = model.generate(ids, **kwargs)
-    new = out[0, ids.shape[1]:]
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos if eos is not None else tokenizer.eos_token_id])
+    rows = []
+    for b in range(out.shape[0]):
+        new = out[b, width:]
+        if out.shape[0] > 1:  # a finished row is padded after its end
+            ends = [k + 1 for k, t in enumerate(new.tolist()) if t in eos][:1]
+            if stop is not None and b in stop.done_at:
+                ends.append(stop.done_at[b] - width)
+            new = new[:min(ends, default=new.shape[0])]
+        rows.append({"text": tokenizer.decode(new, skip_special_tokens=True), "new_tokens": int(new.shape[0])})
     stats = model.river_stats
     counts = stats.get("exit_layer_counts") or []
-    return {"text": tokenizer.decode(new, skip_special_tokens=True), "new_tokens": int(new.shape[0]),
-            "seconds": stats.get("seconds"), "mean_exit_layer": stats.get("mean_exit_layer"),
-            "decode_steps": stats.get("decode_steps", 0), "exit_layer_counts": counts,
-            "step_bytes": step_bytes(model, counts, stats)}
+    steps = stats.get("decode_steps", 0)
+    call = {"seconds": stats.get("seconds"), "mean_exit_layer": stats.get("mean_exit_layer"), "decode_steps": steps,
+            "decode_rows": stats.get("decode_rows", steps), "exit_layer_counts": counts}
+    if len(texts) == 1:
+        call.update(step_bytes=step_bytes(model, counts, stats), bytes_steps=sum(counts))
+    else:
+        decode_tokens = (stats.get("new_tokens") or 0) - len(texts)
+        call.update(step_bytes=(stats.get("weight_bytes_per_token") or 0.0) * max(decode_tokens, 0), bytes_steps=steps)
+    return rows, call
+
+
+def _generate_all(model, tokenizer, texts: list[str], max_new_tokens: int, *, batch_size: int = 1,
+                  code_block_stop: bool = False, desc: str = "", unit: str = "item",
+                  progress: bool = True) -> tuple[list[dict], list[dict]]:
+    """:func:`_generate` over ``texts``, ``batch_size`` at a time (the last batch may be smaller).
+    Returns ``(samples, calls)``: one dict per text (its row, plus its call's figures: a batch's
+    ``mean_exit_layer`` and ``exit_layer_counts`` are shared by its rows) and one per call."""
+    from tqdm.auto import tqdm
+
+    samples, calls = [], []
+    with tqdm(total=len(texts), desc=desc, disable=not progress, unit=unit) as bar:
+        for i in range(0, len(texts), batch_size):
+            rows, call = _generate(model, tokenizer, texts[i:i + batch_size], max_new_tokens, code_block_stop)
+            samples += [{**row, **call} for row in rows]
+            calls.append(call)
+            bar.update(len(rows))
+    return samples, calls
 
 
 def step_bytes(model, counts: list[int], stats: dict) -> float:
@@ -92,38 +158,43 @@ def _setting(model, tau):
         yield f"tau={tau:g}"
 
 
-def _summary(tau: float | None, gens: list[dict]) -> dict:
-    """Per-τ figures pooled over the items. ``weight_bytes_per_step`` is the mean over every decode
-    step actually taken; an answer with no decode step (one new token) has no step to count, so it
-    adds nothing to it (``answers_without_decode_step`` says how many there were)."""
+def _summary(tau: float | None, gens: list[dict], calls: list[dict]) -> dict:
+    """Per-τ figures pooled over the items (``gens``, one per item) and the ``generate`` calls
+    (``calls``; one per item at batch 1): tokens count every row once, seconds every call once.
+    ``mean_exit_layer`` is weighted by row-passes; ``weight_bytes_per_step`` is the mean over
+    every decode step actually taken (at batch 1 each step's exit layer's bytes; in a batch each
+    pass's bytes, read once for all its rows). An answer with no decode step (one new token) adds
+    nothing to it (``answers_without_decode_step`` says how many there were)."""
     tokens = sum(g["new_tokens"] for g in gens)
-    seconds = sum(g["seconds"] or 0.0 for g in gens)
-    steps = sum(g["decode_steps"] for g in gens)
-    exit_sum = sum((g["mean_exit_layer"] or 0.0) * g["decode_steps"] for g in gens)
-    counted = sum(sum(g.get("exit_layer_counts") or []) for g in gens)
+    seconds = sum(c["seconds"] or 0.0 for c in calls)
+    steps = sum(c["decode_steps"] for c in calls)
+    rows = sum(c["decode_rows"] for c in calls)
+    exit_sum = sum((c["mean_exit_layer"] or 0.0) * c["decode_rows"] for c in calls)
+    counted = sum(c["bytes_steps"] for c in calls)
     return {"tau": tau, "mode": "exit" if tau is None else "route", "n": len(gens), "new_tokens": tokens,
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else None,
-            "mean_exit_layer": exit_sum / steps if steps else None,
+            "mean_exit_layer": exit_sum / rows if rows else None,
             "decode_steps": steps,
-            "weight_bytes_per_step": sum(g.get("step_bytes") or 0.0 for g in gens) / counted if counted else None,
-            "answers_without_decode_step": sum(1 for g in gens if not g["decode_steps"])}
+            "weight_bytes_per_step": sum(c["step_bytes"] or 0.0 for c in calls) / counted if counted else None,
+            "answers_without_decode_step": sum(1 for g in gens if g["new_tokens"] <= 1)}
 
 
-def run_gsm8k(model, tokenizer, taus, *, limit=None, max_new_tokens=256, data=None, progress=True) -> dict:
-    """GSM8K exact match at each τ (None: the fully quantized model). Returns ``{"data": source, "results": [per-τ dict]}``; each
+def run_gsm8k(model, tokenizer, taus, *, limit=None, max_new_tokens=256, data=None, batch_size=1,
+              progress=True) -> dict:
+    """GSM8K exact match at each τ (None: the fully quantized model), ``batch_size`` questions per
+    ``generate`` call (left-padded; 1: one at a time). Returns ``{"data": source, "results": [per-τ dict]}``; each
     per-τ dict has ``exact_match`` (fraction), ``n``, tokens/s, mean exit layer and ``samples``."""
-    from tqdm.auto import tqdm
-
     ds, source = load_gsm8k(data, limit, progress=progress)
     metric = metrics.load("gsm8k_exact_match")
+    prompts = [gsm8k_prompt(row["question"]) for row in ds]
     results = []
     for tau in taus:
         with _setting(model, tau) as name:
-            gens = [_generate(model, tokenizer, gsm8k_prompt(row["question"]), max_new_tokens)
-                    for row in tqdm(ds, desc=f"gsm8k {name}", disable=not progress, unit="q")]
+            gens, calls = _generate_all(model, tokenizer, prompts, max_new_tokens, batch_size=batch_size,
+                                        desc=f"gsm8k {name}", unit="q", progress=progress)
         score = metric.compute(predictions=[g["text"] for g in gens], references=list(ds["answer"]))
-        res = _summary(tau, gens)
+        res = _summary(tau, gens, calls)
         res["exact_match"] = score["exact_match"]
         res["samples"] = [
             {"index": i, "extracted": e, "gold": g_, "correct": e is not None and e == g_, "new_tokens": g["new_tokens"],
@@ -135,14 +206,13 @@ def run_gsm8k(model, tokenizer, taus, *, limit=None, max_new_tokens=256, data=No
 
 
 def run_humaneval(model, tokenizer, taus, *, limit=None, max_new_tokens=384, allow_code_execution=False,
-                  timeout=10.0, progress=True) -> dict:
-    """HumanEval pass@1 at each τ (None: the fully quantized model), greedy, one sample per problem.
+                  timeout=10.0, batch_size=1, progress=True) -> dict:
+    """HumanEval pass@1 at each τ (None: the fully quantized model), greedy, one sample per problem,
+    ``batch_size`` problems per ``generate`` call (left-padded; 1: one at a time).
 
     Raises:
         RiverError: ``allow_code_execution`` is False (scoring runs model-written code).
     """
-    from tqdm.auto import tqdm
-
     if not allow_code_execution:
         raise RiverError(
             "HumanEval scoring executes model-written code; rerun with --allow-code-execution "
@@ -153,12 +223,13 @@ def run_humaneval(model, tokenizer, taus, *, limit=None, max_new_tokens=384, all
     results = []
     for tau in taus:
         with _setting(model, tau) as name:
-            gens = [_generate(model, tokenizer, humaneval_prompt(p), max_new_tokens, code_block_stop=True)
-                    for p in tqdm(problems, desc=f"humaneval {name}", disable=not progress, unit="problem")]
+            gens, calls = _generate_all(model, tokenizer, [humaneval_prompt(p) for p in problems], max_new_tokens,
+                                        batch_size=batch_size, code_block_stop=True, desc=f"humaneval {name}",
+                                        unit="problem", progress=progress)
         completions = [humaneval_completion(p, g["text"]) for p, g in zip(problems, gens)]
         score = metric.compute(predictions=[[c] for c in completions], references=[p["task_id"] for p in problems],
                                k=[1], timeout=timeout, allow_code_execution=True)
-        res = _summary(tau, gens)
+        res = _summary(tau, gens, calls)
         res["pass@1"] = score["pass@1"]
         res["samples"] = [
             {"task_id": p["task_id"], "passed": r[0]["passed"], "result": r[0]["result"], "new_tokens": g["new_tokens"],

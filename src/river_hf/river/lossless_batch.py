@@ -19,6 +19,15 @@ Why not transformers' assisted loop (``_assisted_decoding``): it is batch 1 by c
 cache length and one ``n_matches`` per round (``_speculative_sampling`` judges a single row), so a
 batch whose rows accept different numbers of drafts cannot be carried there.
 
+A streamer gets rectangles, as ``generate`` gives them, although rows advance by different
+amounts (``_stream_columns``): the prompt once, then after each verify round the new-token
+columns every still-unfinished row has reached and that were not put yet (``[B, n]``, nothing
+when n = 0; a row already finished shows ``pad_token_id`` in columns past its end, as ``generate``
+pads finished rows), and at the end the columns left, then ``end()``. So the first column arrives
+right after the prefill (what :class:`river_hf.timing.TokenTimer` needs to time the decode apart
+from the time to first token), every put holds only final tokens (a later round never changes a
+column already put), and the puts concatenated are the returned sequences' new tokens.
+
 Only logits warpers that read nothing but the current scores are applied here
 (:data:`HISTORY_FREE`); :func:`river_hf.river.lossless_generate.can_draft` sends any other setting
 to the backbone path. Prompt lookup and the FR-Spec draft vocabulary apply to batch-1 calls only.
@@ -65,6 +74,8 @@ class BatchPlan:
         pad_token_id: what finished rows are padded with.
         do_sample: sampling (else greedy).
         processors: the call's processors, all of :data:`HISTORY_FREE` types.
+        streamer: the call's ``streamer`` (a transformers ``BaseStreamer``), or None; it gets
+            the prompt, then rectangles of new-token columns (``_stream_columns``).
     """
 
     input_ids: torch.Tensor
@@ -74,6 +85,7 @@ class BatchPlan:
     pad_token_id: int
     do_sample: bool
     processors: LogitsProcessorList
+    streamer: object = None
 
     def generate(self, model, call) -> torch.Tensor:
         """The call's output, ``LongTensor [B, prompt + new]`` (see :func:`generate_batch`)."""
@@ -87,6 +99,7 @@ class _State:
     cache: RiverCache  # holds T - 1 columns
     new: torch.Tensor  # [B] long: real new tokens per row
     done: torch.Tensor  # [B] bool
+    streamed: int = 0  # new-token columns already put to the streamer
 
 
 def _positions(mask: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -223,16 +236,41 @@ def _advance(state: _State, plan: BatchPlan, drafts: torch.Tensor, n: torch.Tens
     state.done |= emitted_eos.any(-1) | (plan.input_ids.shape[1] + state.new >= plan.max_length)
 
 
+def _new_columns(state: _State, plan: BatchPlan, start: int, stop: int) -> torch.Tensor:
+    """``LongTensor [B, stop - start]``: new-token columns ``start .. stop - 1`` of the output,
+    each row's real new tokens (the masked positions removed), ``pad_token_id`` past a row's end."""
+    n = plan.input_ids.shape[1]
+    out = torch.full((state.ids.shape[0], stop - start), plan.pad_token_id, dtype=torch.long, device=state.ids.device)
+    for b in range(out.shape[0]):
+        row = state.ids[b, n:][state.mask[b, n:].bool()][start:stop]
+        out[b, :row.numel()] = row
+    return out
+
+
 def _sequences(state: _State, plan: BatchPlan) -> torch.Tensor:
     """``[B, prompt + new]``: the prompts as given, each row's real new tokens, then padding."""
-    n = plan.input_ids.shape[1]
-    width = int(state.new.max())
-    out = torch.full((state.ids.shape[0], n + width), plan.pad_token_id, dtype=torch.long, device=state.ids.device)
-    out[:, :n] = plan.input_ids
-    for b in range(out.shape[0]):
-        row = state.ids[b, n:][state.mask[b, n:].bool()]
-        out[b, n:n + row.numel()] = row
-    return out
+    return torch.cat([plan.input_ids, _new_columns(state, plan, 0, int(state.new.max()))], -1)
+
+
+def _stream_columns(state: _State, plan: BatchPlan, *, final: bool = False) -> None:
+    """Put to ``plan.streamer`` the new-token columns every unfinished row has reached and that
+    were not put yet (every column left when ``final`` or when no row is unfinished), as one
+    ``LongTensor [B, n]`` on the CPU (nothing when n = 0); ``final`` then calls ``end()``.
+
+    The rule and its reason: a transformers streamer expects one rectangle per put (``generate``
+    puts ``[B]`` per step, finished rows padded), but rows accept different numbers of drafts; the
+    columns every live row has reached are final for every row (a finished row's are its tokens,
+    then ``pad_token_id``, as in the returned sequences), so nothing put is ever taken back and the
+    puts concatenated equal the returned new tokens."""
+    if plan.streamer is None:
+        return
+    live = ~state.done
+    reach = int(state.new.max()) if final or not bool(live.any()) else int(state.new[live].min())
+    if reach > state.streamed:
+        plan.streamer.put(_new_columns(state, plan, state.streamed, reach).cpu())
+        state.streamed = reach
+    if final:
+        plan.streamer.end()
 
 
 def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
@@ -244,6 +282,10 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
     sampling: the same distribution), rows padded with ``plan.pad_token_id`` after their EOS.
     ``call.record`` gets the call's statistics counted per row (``rounds``: live rows per verify pass,
     ``drafted``, ``accepted``), ``verify_passes``, ``batch_size`` and the draft/verify seconds.
+    ``plan.streamer`` (when given) gets the prompt ``[B, prompt]``, the first new-token column
+    right after the prefill, after each verify round the columns every unfinished row has reached
+    (``[B, n]``, none when n = 0), the columns left at the end, then ``end()``: rectangles of final
+    tokens whose concatenation is the output's new tokens (why: ``_stream_columns``).
     """
     config, record = model.river_config, call.record
     for key in ("rounds", "drafted", "accepted", "draft_passes", "verify_passes"):
@@ -253,8 +295,11 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
     record.setdefault("draft_exit_layers", [])
     record.update(batch_size=plan.input_ids.shape[0], draft_path=call.draft_path)
     k = config.draft_tokens
+    if plan.streamer is not None:
+        plan.streamer.put(plan.input_ids.cpu())  # the prompt, once, as generate puts it
     with torch.no_grad():
         state = _prompt_pass(model, plan)
+        _stream_columns(state, plan)
         while not bool(state.done.all()):
             start = time.perf_counter()
             live = ~state.done
@@ -277,6 +322,8 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
             record["verify_passes"] += 1
             if drafts.shape[1]:
                 k = _judge_round(record, config, k, n[live], limit[live])
+            _stream_columns(state, plan)
+    _stream_columns(state, plan, final=True)
     return _sequences(state, plan)
 
 

@@ -85,8 +85,10 @@ def can_draft(model, kwargs: dict, gen_config, prompt, stacklevel: int = 2, args
 
 
 #: ``generate`` arguments a batched lossless call leaves to the backbone path when given
-#: (they read the token history, stream or return more than the sequences).
-BATCH_FALLBACK_ARGS = ("stopping_criteria", "prefix_allowed_tokens_fn", "streamer", "negative_prompt_ids",
+#: (they read the token history or bring inputs or a cache River's batched loop does not take).
+#: A ``streamer`` is not among them: the batched loop puts rectangles of final columns
+#: (:mod:`.lossless_batch`).
+BATCH_FALLBACK_ARGS = ("stopping_criteria", "prefix_allowed_tokens_fn", "negative_prompt_ids",
                        "negative_prompt_attention_mask", "synced_gpus", "inputs_embeds", "cache", "past_key_values")
 #: generation settings a batched lossless call leaves to the backbone path when set.
 BATCH_FALLBACK_SETTINGS = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
@@ -97,15 +99,16 @@ def batch_plan(model, args: tuple, kwargs: dict, gen_config, prompt):
     """``(BatchPlan, [])`` when River's own batched loop (:mod:`.lossless_batch`) can carry this
     call exactly, else ``(False, reasons)``: each reason names the argument or setting (a
     processor that reads the token history such as ``repetition_penalty``, ``no_repeat_ngram_size``,
-    ``min_new_tokens``, suppressed tokens; stopping criteria, stop strings, streamers,
-    ``return_dict_in_generate``; a sliding window the call may outgrow; other model inputs)."""
+    ``min_new_tokens``, suppressed tokens; stopping criteria, stop strings,
+    ``return_dict_in_generate``; a sliding window the call may outgrow; other model inputs). A
+    ``streamer`` is carried: the plan holds it (see :mod:`.lossless_batch` for what it is put)."""
     if len(args) > 2:
         return False, ["positional arguments after generation_config"]
     config, extra = prepare_generation_config(
         model, gen_config, **{k: v for k, v in kwargs.items() if k != "generation_config"})
     reasons = [f"{k} given" for k in BATCH_FALLBACK_ARGS if kwargs.get(k) is not None]
     reasons += [f"{k} given" for k, v in extra.items() if v is not None and k not in BATCH_FALLBACK_ARGS
-                and k not in ("input_ids", "inputs", "attention_mask", "logits_processor", "tokenizer")]
+                and k not in ("input_ids", "inputs", "attention_mask", "logits_processor", "tokenizer", "streamer")]
     reasons += [f"{k}={getattr(config, k)!r}" for k in BATCH_FALLBACK_SETTINGS if getattr(config, k, None)]
     if config.cache_implementation not in (None, "dynamic"):
         reasons.append(f"cache_implementation={config.cache_implementation!r}")
@@ -132,7 +135,8 @@ def batch_plan(model, args: tuple, kwargs: dict, gen_config, prompt):
     if mask is None:  # as generate infers it: padding where the pad token is (unless it is also EOS)
         mask = prompt.ne(pad).long() if (prompt == pad).any() and not (eos and pad in eos) else torch.ones_like(prompt)
     return BatchPlan(input_ids=prompt, attention_mask=mask, max_length=config.max_length, eos=eos,
-                     pad_token_id=int(pad), do_sample=bool(config.do_sample), processors=processors), []
+                     pad_token_id=int(pad), do_sample=bool(config.do_sample), processors=processors,
+                     streamer=kwargs.get("streamer")), []
 
 
 def _lossless_call(model):

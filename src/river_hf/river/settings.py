@@ -75,8 +75,9 @@ class RiverSettingsMixin:
         - ``"route"``: River (lossy: the exit rule decides per step);
         - ``"lossless"``: the exit path drafts and the backbone verifies in one shared KV cache
           (:mod:`river_hf.river.lossless`): the unmodified model's tokens, faster; ``generate``
-          with one sequence (a batch, beam search or ``num_return_sequences`` > 1 runs on the
-          backbone alone: exact, not faster); a plain forward runs the backbone;
+          with one sequence, or a batch through River's own loop (:mod:`river_hf.river.lossless_batch`;
+          beam search, ``num_return_sequences`` > 1 or a batch with a setting that reads the token
+          history runs on the backbone alone: exact, not faster); a plain forward runs the backbone;
         - ``"backbone"``: the unmodified model;
         - ``"exit"``: the fully quantized model (every layer its exit copy), for comparisons.
 

@@ -78,14 +78,14 @@ def build_app(model, tokenizer, name: str, *, max_tokens_limit: int | None = Non
         name: the model's name (``GET /v1/models``; a request naming another gets a 404).
         max_tokens_limit: the largest ``max_tokens`` accepted (None: the model's context length).
         batching: batch the waiting requests (up to ``max_batch_size`` per call); False: FIFO.
-            Lossless mode always runs one request at a time (it drafts one sequence).
+            Lossless mode batches too (River's batched lossless loop, see
+            :mod:`~river_hf.serve.scheduler`).
         max_batch_size: most requests per ``generate`` call (>= 1).
 
     ``app.state.scheduler`` is the :class:`~river_hf.serve.scheduler.Scheduler`.
     """
     lossless = model.river.mode == LOSSLESS
-    scheduler = Scheduler(model, tokenizer, max_batch_size=max_batch_size if batching and not lossless else 1,
-                          hold_rounds=lossless)
+    scheduler = Scheduler(model, tokenizer, max_batch_size=max_batch_size if batching else 1, lossless=lossless)
     limit = max_tokens_limit if max_tokens_limit is not None else context_length(model)
 
     @contextlib.asynccontextmanager

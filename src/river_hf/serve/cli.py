@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve one River model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                     "/v1/completions, /v1/models, /health; streaming over SSE). Each completion carries the "
                     "call's River statistics under a \"river\" key. Waiting requests with the same sampling "
-                    "settings run together as one batch (--batching, the default), or one at a time in arrival "
-                    "order (--fifo; lossless mode always).",
+                    "settings run together as one batch (--batching, the default; lossless mode too), or one at a "
+                    "time in arrival order (--fifo).",
     )
     p.add_argument("model", help="model key, saved River folder or Hub id; requests name it (or omit \"model\")")
     p.add_argument("--tau", default=None, help="state transition similarity threshold τ; > 1 never exits "

@@ -8,6 +8,12 @@ Only transformers' public generation API is used: ``generate`` with an ``attenti
 ``StoppingCriteria`` (:class:`RowStops`: a row is finished at its own ``max_tokens`` or when its
 client left). Each request's answer is its row cut at its own ``max_tokens``, first EOS and first
 stop string (:meth:`Scheduler.cut`).
+
+Lossless mode batches too: a call of several requests runs River's batched lossless loop
+(:mod:`river_hf.river.lossless_batch`), which takes no stopping criteria and no stop strings (they
+read the token history; it would fall back to the backbone), so such a call runs to the largest
+``max_tokens`` of its requests and stops a row only at EOS; each answer is then cut as above, which
+gives the tokens the request alone would have got (greedy: the plain model's).
 """
 
 from __future__ import annotations
@@ -96,15 +102,17 @@ def response_stats(stats: dict, queued_seconds: float, *, batch_size: int = 1, n
 
 class RowStreamer(BaseStreamer):
     """A ``generate`` streamer for a batch of requests: the first put (the prompts) is skipped;
-    each later put (``[B]`` one token per row, or ``[1, n]``: a lossless round) is split by row,
-    and each streaming request gets its row's tokens up to its ``max_tokens`` and its first EOS
-    (padding after a finished row is never sent).
+    each later put is split by row: ``[B]`` (one token per row, ``generate``'s steps), ``[1, n]``
+    (a lossless round of one request) or ``[B, n]`` (columns of River's batched lossless loop,
+    final for every row). Each streaming request gets its row's tokens up to its ``max_tokens``
+    and its first EOS (padding after a finished row is never sent).
 
     Args:
         jobs: the call's requests, one per row.
         eos_ids: the tokens that end an answer.
-        hold_rounds: hold each put until the next one (lossless mode: River cuts the last round
-            where a stop fired, so its tokens are sent only with the final answer).
+        hold_rounds: hold each put until the next one (lossless mode with one request: River cuts
+            the last round of transformers' assisted decoding where a stop fired, so its tokens are
+            sent only with the final answer; the batched loop's columns are final and need no hold).
 
     Raises:
         Cancelled: from ``put``, when every request of the call has been cancelled.
@@ -167,18 +175,20 @@ class Scheduler:
         model: the River model (``generate``, ``river_stats``).
         tokenizer: its tokenizer (stop strings, decoding).
         max_batch_size: most requests per ``generate`` call (1: FIFO, one at a time).
-        hold_rounds: stream lossless rounds one round late (see :class:`RowStreamer`).
+        lossless: the model runs lossless mode: a call of one request streams its rounds one
+            round late (``hold_rounds``, see :class:`RowStreamer`); a call of several is given no
+            :class:`RowStops` and no stop strings (see the module's docstring).
 
     Requests are taken in arrival order: the first waiting request starts the next call, and the
     later waiting requests of its group join it, up to ``max_batch_size``; the others wait for the
     next call, first in line.
     """
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int = 8, hold_rounds: bool = False):
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 8, lossless: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model, self.tokenizer = model, tokenizer
-        self.max_batch_size, self.hold_rounds = max_batch_size, hold_rounds
+        self.max_batch_size, self.lossless = max_batch_size, lossless
         gen = model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
@@ -258,15 +268,16 @@ class Scheduler:
         rows = [[self.pad_id] * (length - len(j.settings.prompt_ids)) + list(j.settings.prompt_ids) for j in jobs]
         mask = [[0] * (length - len(j.settings.prompt_ids)) + [1] * len(j.settings.prompt_ids) for j in jobs]
         device = self.model.device
+        batched_lossless = self.lossless and len(jobs) > 1  # River's batched loop: columns are final
         kwargs = {"input_ids": torch.tensor(rows, device=device), "attention_mask": torch.tensor(mask, device=device),
                   "max_new_tokens": max(j.settings.max_tokens for j in jobs), "do_sample": settings.do_sample,
                   "pad_token_id": self.pad_id,
-                  "streamer": RowStreamer(jobs, self.eos_ids, hold_rounds=self.hold_rounds)}
+                  "streamer": RowStreamer(jobs, self.eos_ids, hold_rounds=self.lossless and len(jobs) == 1)}
         if settings.do_sample:
             kwargs.update(temperature=settings.temperature, top_p=settings.top_p)
-        if settings.stop:
+        if settings.stop and not batched_lossless:
             kwargs.update(stop_strings=list(settings.stop), tokenizer=self.tokenizer)
-        if len(jobs) > 1:
+        if len(jobs) > 1 and not batched_lossless:
             kwargs["stopping_criteria"] = StoppingCriteriaList([RowStops(jobs, length)])
         self._running = jobs
         start = time.perf_counter()
