@@ -25,8 +25,9 @@ at most :func:`check_tolerance` of the layer's dtype (:data:`CHECK_TOLERANCE`, 1
 model, whose kernels compute in bf16), else that layer keeps the architecture's exit copy (a
 warning names it). The update, not the output, is compared: the residual would hide an error in
 the attention or the MLP. A wrong function (another norm, a missing bias, another rotary layout)
-is off by 10 % or more; the two implementations of one function differ by float rounding order
-only (about 1e-8 in fp32 models).
+is off by 10 % or more; the two implementations of one function run the same ops in the same
+order where it matters and differ by float rounding at most (0 on the supported families in the
+tests: bit for bit the architecture copy's numbers).
 
 At run time a fused layer hands a call to its architecture copy when it cannot serve it as
 checked (its :meth:`FusedExitLayer.serves` says so): training mode, a forward hook on the
@@ -52,9 +53,10 @@ CHECK_TOLERANCE = 1e-3
 def check_tolerance(dtype: torch.dtype) -> float:
     """The build check's bound for a layer computing in ``dtype``: :data:`CHECK_TOLERANCE`, or four
     units of ``dtype``'s rounding (``4 * finfo(dtype).eps``: 0.031 for bf16, 0.0039 for fp16) where
-    that is larger, since in a 16-bit model both implementations round every op to 16 bits, in
-    different orders (measured on tiny random Llama and Qwen2 layers: up to 0.011 in bf16, 0.0015
-    in fp16)."""
+    that is larger: in a 16-bit model every op rounds to 16 bits, so one op computed in another
+    order (a fused multiply-add where the architecture multiplies and adds: up to 0.011 in bf16,
+    0.0015 in fp16 on tiny random Llama and Qwen2 layers) already moves the update by about
+    1e-3 relative or more."""
     return max(CHECK_TOLERANCE, 4 * torch.finfo(dtype).eps)
 #: families by name (:func:`register_family`)
 FAMILIES: dict[str, "ExitLayerFamily"] = {}
@@ -83,6 +85,11 @@ class ExitLayerFamily:
     def build(self, exit_copy: nn.Module, config) -> "FusedExitLayer":
         """The fused layer of ``exit_copy`` (a supported layer), on its kernel modules."""
         raise NotImplementedError
+
+    def dtype(self, layer: nn.Module) -> torch.dtype:
+        """The dtype ``layer`` computes in (the model's): its first floating parameter's, fp32 when it
+        has none. Families override it where a kernel's parameters may come first in another dtype."""
+        return next((p.dtype for p in layer.parameters() if p.is_floating_point()), torch.float32)
 
     def check_kwargs(self, exit_copy: nn.Module, config, positions: torch.Tensor, dtype: torch.dtype) -> dict:
         """Keyword arguments (besides ``hidden_states`` and the cache) of one call of the layer
@@ -192,7 +199,7 @@ def fused_exit_layer(exit_copy: nn.Module, impl: str, name: str = "") -> nn.Modu
         warnings.warn(f"exit_layer_impl={impl!r}: the fused exit layer of {name or 'a layer'} failed its build check "
                       f"({type(e).__name__}: {e}); it runs the architecture's code", UserWarning, stacklevel=2)
         return exit_copy
-    bound = check_tolerance(_layer_dtype(exit_copy))
+    bound = check_tolerance(family.dtype(exit_copy))
     if not error <= bound:
         warnings.warn(f"exit_layer_impl={impl!r}: the fused exit layer of {name or 'a layer'} differs from the "
                       f"architecture's exit copy by {error:.2e} (relative, above {bound:g}); it runs the "
@@ -207,15 +214,6 @@ def _text_config(layer: nn.Module):
     return getattr(getattr(layer, "self_attn", None), "config", None)
 
 
-def _layer_dtype(layer: nn.Module) -> torch.dtype:
-    """The floating dtype of ``layer``'s first floating parameter or buffer (a norm weight): the
-    model's dtype (fp32 when it has none)."""
-    for t in (*layer.parameters(), *layer.buffers()):
-        if t.is_floating_point():
-            return t.dtype
-    return torch.float32
-
-
 def _relative(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / scale.float().norm().clamp(min=1e-12))
 
@@ -225,11 +223,11 @@ def check_against_architecture(family: ExitLayerFamily, fused: FusedExitLayer, e
                                prompt: int = 3, seed: int = 0) -> float:
     """The largest relative error of ``fused`` against ``exit_copy`` over a ``prompt``-token
     prefill and one decode step on random hidden states (N(0, 1), seed ``seed``, the layer's
-    dtype and device), each into a ``DynamicCache`` of its own: of the layer's update
+    dtype, ``family.dtype``, and device), each into a ``DynamicCache`` of its own: of the layer's update
     (``||out_f - out_a|| / ||out_a - in||``) and of the K/V each wrote (``/ ||K_a||``)."""
     from transformers import DynamicCache
 
-    dtype = _layer_dtype(exit_copy)
+    dtype = family.dtype(exit_copy)
     device = next(t for t in (*exit_copy.parameters(), *exit_copy.buffers())).device
     hidden = config.hidden_size
     gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -14,7 +14,8 @@ computes that on the exit copy's own kernel modules with few, big calls:
   called directly, not its slices); otherwise the separate products, concatenated once;
 - rotary on q and k together, on the ``[batch, heads, tokens, head_dim]`` view of the product:
   ``qk * cos + roll(qk, head_dim / 2) * sin_signed``, where ``sin_signed`` is ``sin`` with its first
-  half negated (``rotate_half(x) * sin`` term by term), made once per forward pass from the
+  half negated (``rotate_half(x) * sin`` term by term, bit for bit; a multiply and an add as in the
+  architecture, not a fused multiply-add, which rounds once less), made once per forward pass from the
   ``position_embeddings`` the model computed (kept while the same ``cos``/``sin`` tensors come
   back, per thread);
 - K/V written through the cache's public ``update`` with the layer's index, in the layout and
@@ -134,7 +135,7 @@ class FusedLlamaLayer(FusedExitLayer):
         self.scaling = attn.scaling
         self.layer_index = attn.layer_idx
         self.hidden = config.hidden_size
-        self.intermediate = mlp.down_proj.in_features
+        self.intermediate = getattr(mlp, "intermediate_size", None) or config.intermediate_size
         self.attn_config = config  # the exit copy's own (its attention implementation is read per call)
         fused_qkv = attn._modules.get(FUSED_NAMES[GROUPS[0]])
         fused_gu = mlp._modules.get(FUSED_NAMES[GROUPS[1]])
@@ -186,7 +187,9 @@ class FusedLlamaLayer(FusedExitLayer):
         # attention: one product, rotary on q and k at once, K/V into the shared cache slot
         qkv = self._product("qkv", self._norm(0, hidden_states)).view(batch, tokens, heads + 2 * kv, d).transpose(1, 2)
         qk, values = qkv.split((heads + kv, kv), dim=1)  # [batch, heads, tokens, head_dim] views
-        qk = torch.addcmul(qk * cos4, qk.roll(d // 2, dims=-1), sin4)  # the model's dtype (cos4's)
+        # the model's dtype (cos4's); not addcmul: its fused multiply-add rounds differently from the
+        # architecture's q * cos + rotate_half(q) * sin, and bf16 re-rounding can amplify that
+        qk = qk * cos4 + qk.roll(d // 2, dims=-1) * sin4
         query, keys = qk.split((heads, kv), dim=1)
         values = values.to(dtype)
         if cache is not None:
@@ -255,10 +258,15 @@ class LlamaFamily(ExitLayerFamily):
             return "attention is not causal grouped-query attention with an even head_dim"
         if not all(hasattr(attn, n) for n in ("scaling", "layer_idx")):
             return "attention has no scaling or layer_idx"
-        outs = [getattr(getattr(attn, n), "out_features", None) for n in ("q_proj", "k_proj", "v_proj")]
-        if outs != [heads * d, kv * d, kv * d] or getattr(mlp.down_proj, "in_features", None) is None:
-            return f"q/k/v widths {outs}, expected {[heads * d, kv * d, kv * d]}"
+        want = [heads * d, kv * d, kv * d]
+        outs = [getattr(getattr(attn, n), "out_features", w) for n, w in zip(("q_proj", "k_proj", "v_proj"), want)]
+        if outs != want:  # a kernel module that does not say its width is checked by the build check
+            return f"q/k/v widths {outs}, expected {want}"
         return None
+
+    def dtype(self, layer: nn.Module) -> torch.dtype:
+        """The input norm's weight dtype (a quantized kernel's parameters may be in its compute dtype)."""
+        return layer.input_layernorm.weight.dtype
 
     def build(self, exit_copy: nn.Module, config) -> FusedLlamaLayer:
         return FusedLlamaLayer(exit_copy, config)
