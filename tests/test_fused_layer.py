@@ -246,7 +246,7 @@ def test_a_failed_build_check_keeps_the_architecture_copy(monkeypatch):
         raise TypeError("update() got an unexpected keyword argument")
 
     monkeypatch.setattr(fused_layer, "check_against_architecture", broken)
-    with pytest.warns(UserWarning, match="failed its build check .*TypeError"):
+    with pytest.warns(UserWarning, match="failed to build or its check .*TypeError"):
         assert fused_layers(river(tiny("llama"), "fused")) == []
 
 

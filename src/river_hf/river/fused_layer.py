@@ -192,11 +192,11 @@ def fused_exit_layer(exit_copy: nn.Module, impl: str, name: str = "") -> nn.Modu
             warnings.warn(f"exit_layer_impl='fused': no fused exit layer for this decoder layer ({why}); these exit "
                           "layers run the architecture's code", UserWarning, stacklevel=2)
         return exit_copy
-    fused = family.build(exit_copy, config)
     try:
+        fused = family.build(exit_copy, config)
         error = check_against_architecture(family, fused, exit_copy, config)
     except Exception as e:  # noqa: BLE001 - any failure of the fused path means: keep the architecture copy
-        warnings.warn(f"exit_layer_impl={impl!r}: the fused exit layer of {name or 'a layer'} failed its build check "
+        warnings.warn(f"exit_layer_impl={impl!r}: the fused exit layer of {name or 'a layer'} failed to build or its check "
                       f"({type(e).__name__}: {e}); it runs the architecture's code", UserWarning, stacklevel=2)
         return exit_copy
     bound = check_tolerance(family.dtype(exit_copy))
