@@ -236,6 +236,15 @@ def test_an_architecture_no_family_supports_keeps_its_exit_copies():
     assert fused_layers(river(tiny("llama"), "auto"))
 
 
+def test_an_architecture_copy_is_wrapped_on_request_and_kept_for_architecture():
+    model = river(tiny("mistral-window"), "architecture")
+    copy_ = model.model.layers[2].exit_layer
+    assert fused_exit_layer(copy_, "architecture") is copy_
+    fused = fused_exit_layer(copy_, "auto", "layers.2")
+    assert isinstance(fused, FusedLlamaLayer) and fused.architecture is copy_
+    assert fused.check_error <= fused_layer.CHECK_TOLERANCE
+
+
 def test_a_failed_build_check_keeps_the_architecture_copy(monkeypatch):
     monkeypatch.setattr(fused_layer, "check_against_architecture", lambda *a, **k: 0.5)
     with pytest.warns(UserWarning, match=r"layers\.[0-3] differs from the architecture.s exit copy by 5\.00e-01"):
