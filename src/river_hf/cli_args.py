@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .errors import RiverError
 
-__all__ = ["positive_int", "KERNEL_CHOICES", "add_river_arguments", "river_overrides", "parse_taus",
+__all__ = ["positive_int", "KERNEL_CHOICES", "EXIT_LAYER_IMPLS", "add_river_arguments", "river_overrides", "parse_taus",
            "negative_tau_note", "negative_tau_noted", "check_output_path", "check_writable_place", "existing_report"]
 
 
@@ -33,6 +33,8 @@ def positive_int(text: str) -> int:
     return value
 
 
+#: ``RiverConfig.exit_layer_impl`` values (river_hf.river.config.EXIT_LAYER_IMPLS), without importing torch.
+EXIT_LAYER_IMPLS = ("architecture", "fused", "auto")
 #: kernel choices the CLI offers for --backend / --exit-head (river_hf.quant.BACKENDS), without importing torch.
 KERNEL_CHOICES = ("int8", "int4", "int4-g32", "torch-int8", "torch-int4", "torch-int4-g32", "quanto-int8", "quanto-int4",
                   "ort-int4", "ort-int4-g32", "ort-int8", "torch-dyn-int8", "ark-int4", "ark-int8", "quanto", "copy")
@@ -55,6 +57,10 @@ def add_river_arguments(p, *, min_layer: bool = True) -> None:
     p.add_argument("--prefill", default=None, choices=("route", "backbone"),
                    help="route: the prompt pass may exit (sequence-level); backbone: the prompt runs on the backbone "
                         "(default: per-model config)")
+    p.add_argument("--exit-layer-impl", default=None, choices=EXIT_LAYER_IMPLS,
+                   help="what the exit layers run: architecture (the architecture's decoder-layer code over the "
+                        "quantized Linears), fused (River's fused layer where its family has one: Llama, Qwen2, "
+                        "Mistral; warns otherwise) or auto (fused where supported, silently) (default: per-model config)")
 
 
 def river_overrides(args) -> dict:
@@ -68,7 +74,7 @@ def river_overrides(args) -> dict:
         if value is not None and value not in allowed:
             raise RiverError(f"unknown quantization backend {value!r} for {flag}: choose one of {', '.join(allowed)}")
     out = {}
-    for name in ("min_layer", "backend", "prefill"):
+    for name in ("min_layer", "backend", "prefill", "exit_layer_impl"):
         value = getattr(args, name, None)
         if value is not None:
             out[name] = value

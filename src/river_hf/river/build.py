@@ -36,6 +36,8 @@ from ..quant.fused import fuse_projections, fused_groups
 from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_class
 from .config import RiverConfig, default_config, warn_if_negative_tau
 from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
+from .fused_layer import fused_exit_layer
+from . import fused_llama  # noqa: F401  (registers the Llama / Qwen2 / Mistral fused exit layer)
 from . import lossless
 from .layer import LOSSLESS, RiverHead, RiverLayer, RiverRouter
 from .offload import build_exit_layer, is_offloaded, offload_backbone
@@ -266,7 +268,15 @@ def build_exit_copy(backbone: nn.Module, config: RiverConfig, tuner, *, report: 
     per Linear where one measures faster when ``config.prompt_kernel``. An adapter layer of PEFT
     (a LoRA ``Linear`` around the original one) is copied as its base layer: the exit copy is
     made from the base weights, never holds an adapter. ``backbone`` is not modified; ``report``
-    gets one row per built Linear."""
+    gets one row per built Linear. With ``config.exit_layer_impl`` ``fused`` / ``auto`` the copy is
+    then wrapped in River's fused layer of its family where one supports it and passes its build
+    check (:func:`river_hf.river.fused_layer.fused_exit_layer`, on the same kernel modules)."""
+    exit_copy = _exit_copy(backbone, config, tuner, report, prefix)
+    return fused_exit_layer(exit_copy, config.exit_layer_impl, prefix.rstrip("."))
+
+
+def _exit_copy(backbone: nn.Module, config: RiverConfig, tuner, report: list | None, prefix: str) -> nn.Module:
+    """The architecture's exit copy of ``backbone`` (:func:`build_exit_copy` before the fused layer)."""
     choice = get_backend(config.backend)
     fuse = config.fuse_projections and fused_groups(backbone)
     if not fuse and not _adapter_layers(backbone):

@@ -30,9 +30,13 @@ DRAFT_PATHS = ("route", "exit")
 #: when a round proposes prompt-lookup tokens (given a match): ``always``, or ``adaptive`` (only
 #: while their measured tokens per second in this call beat the exit-path drafts')
 PROMPT_LOOKUP_RULES = ("always", "adaptive")
+#: what an exit layer runs (``RiverConfig.exit_layer_impl``): the architecture's own decoder-layer
+#: code over the quantized Linears, River's fused layer of the family (:mod:`.fused_layer`) where
+#: one supports the layer (``fused`` warns where none does, ``auto`` does not)
+EXIT_LAYER_IMPLS = ("architecture", "fused", "auto")
 
 __all__ = ["RiverConfig", "default_config", "check_tau", "warn_if_negative_tau", "CONFIG_DIR", "RIVER_SETTINGS",
-           "river_settings"]
+           "river_settings", "EXIT_LAYER_IMPLS"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -55,7 +59,7 @@ def check_tau(tau) -> float:
 #: The River settings ``RiverForCausalLM.from_pretrained``, ``from_config`` and ``enable_river`` take as
 #: keyword arguments, each overriding the :class:`RiverConfig` field of that name.
 RIVER_SETTINGS = ("tau", "min_layer", "backend", "exit_head", "prefill", "lossless", "strategy", "prompt_kernel",
-                  "offload_from", "offload_dir")
+                  "exit_layer_impl", "offload_from", "offload_dir")
 
 
 def river_settings(kwargs: dict, *, allowed: tuple = RIVER_SETTINGS, where: str = "enable_river") -> dict:
@@ -193,10 +197,21 @@ class RiverConfig:
             prompt pass measured 1.11-1.30x faster on held-out prompts of 152-332 tokens (2-core
             Zen 5, ``benchmarks/prompt_kernel.py``), River's defaults read the prompt on the
             backbone (``prefill="backbone"``) and would hold the copy for nothing.
+        exit_layer_impl: what each exit layer runs (:data:`EXIT_LAYER_IMPLS`): ``architecture`` (the
+            architecture's decoder-layer class over the quantized Linears), ``fused`` (River's own
+            fused layer of the architecture's family, :mod:`river_hf.river.fused_layer`, on the same
+            kernel modules: fewer, bigger calls per layer and step; a warning where no family supports
+            the layers) or ``auto`` (fused where a family supports the layer, silently). Each fused
+            layer is checked against the architecture's exit copy at build and keeps that copy, with
+            a warning, where their updates differ by more than 1e-3 relative (fp32 models; 16-bit
+            models: 4 units of their rounding, ``fused_layer.check_tolerance``). Families:
+            Llama, Qwen2, Mistral (``sdpa`` or ``eager`` attention). The backbone always runs the
+            architecture's code. Pair it with ``fuse_projections`` for one q/k/v and one gate/up
+            product per layer.
 
     Raises (at construction):
         RiverError: τ not a number, ``min_layer`` < 1, unknown backend, prefill policy, strategy,
-            draft schedule or verify kernel, lossless with a baseline strategy, ``draft_tokens`` < 1, ``max_draft_tokens`` < ``draft_tokens``, bad ``offload_from``, rules or ``kernel_choice``.
+            draft schedule, verify kernel or exit-layer implementation, lossless with a baseline strategy, ``draft_tokens`` < 1, ``max_draft_tokens`` < ``draft_tokens``, bad ``offload_from``, rules or ``kernel_choice``.
     """
 
     tau: float = 0.95
@@ -222,6 +237,7 @@ class RiverConfig:
     kernel_choice: dict[str, str] | None = None
     fuse_projections: bool = False
     prompt_kernel: bool = False
+    exit_layer_impl: str = "architecture"
 
     def __post_init__(self):
         self.tau = check_tau(self.tau)
@@ -271,6 +287,8 @@ class RiverConfig:
                 and all(isinstance(k, str) and isinstance(v, str) for k, v in self.kernel_choice.items())):
             raise RiverError(f"kernel_choice must map shape keys to kernel names (e.g. {{\"int4:896x4864\": "
                              f"\"torch-int4\"}}) or be null, got {self.kernel_choice!r}")
+        if self.exit_layer_impl not in EXIT_LAYER_IMPLS:
+            raise RiverError(f"exit_layer_impl must be one of {', '.join(EXIT_LAYER_IMPLS)}, got {self.exit_layer_impl!r}")
         for name in ("fuse_projections", "prompt_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise RiverError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -1,0 +1,285 @@
+"""The fused exit layer of the Llama / Qwen2 / Mistral family (``model_type`` llama, qwen2,
+mistral; SmolLM2 is a Llama), registered as the ``llama`` family of :mod:`.fused_layer`.
+
+These decoder layers compute ``h = x + o(attn(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))`` and
+``out = h + down(silu(gate(n2(h))) * up(n2(h)))`` with T5-style RMSNorms ``n1``, ``n2``
+(``weight * x / sqrt(mean(x²) + eps)``), rotary embeddings in the ``rotate_half`` layout and
+grouped-query attention; Qwen2 adds q/k/v biases, Mistral and Qwen2 may have a sliding window
+(which transformers puts into the attention mask each layer receives). :class:`FusedLlamaLayer`
+computes that on the exit copy's own kernel modules with few, big calls:
+
+- ``torch.nn.functional.rms_norm`` for each norm (torch's own, one call);
+- one stacked q/k/v product and one stacked gate/up product when the exit copy has them
+  (``RiverConfig.fuse_projections``: the :class:`~river_hf.quant.fused.FusedProjection`'s kernel is
+  called directly, not its slices); otherwise the separate products, concatenated once;
+- rotary on q and k together, on the ``[batch, heads, tokens, head_dim]`` view of the product:
+  ``qk * cos + roll(qk, head_dim / 2) * sin_signed``, where ``sin_signed`` is ``sin`` with its first
+  half negated (``rotate_half(x) * sin`` term by term, bit for bit; a multiply and an add as in the
+  architecture, not a fused multiply-add, which rounds once less), made once per forward pass from the
+  ``position_embeddings`` the model computed (kept while the same ``cos``/``sin`` tensors come
+  back, per thread);
+- K/V written through the cache's public ``update`` with the layer's index, in the layout and
+  dtype the architecture writes (``[batch, kv_heads, tokens, head_dim]``, model dtype, rotary
+  applied to K): the backbone reads them;
+- ``scaled_dot_product_attention`` with ``enable_gqa`` (no ``repeat_kv``), the mask the layer
+  received (a boolean decode mask is turned into the additive one SDPA would make, once per pass),
+  the causal flag and the static-cache crop exactly as transformers' ``sdpa`` attention sets them;
+- one cast into each product's compute dtype where the kernel computes in bf16 inside an fp32
+  model (:class:`~river_hf.quant.modules.Int4WeightOnlyLinear`, ``Int8WeightOnlyLinear``,
+  ``CastLinear``), its output folded into the next op that needs fp32 (the residual add, the
+  rotary multiply), which gives the same numbers as the kernel's own cast back.
+
+The attention implementations served are ``sdpa`` and ``eager`` (their masks are tensors SDPA
+takes as they are; eager with no mask attends to every key, as eager does); another one
+(flash, flex) makes the call run the architecture copy.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..compat import attn_implementation
+from ..quant.fused import FUSED_NAMES, GROUPS
+from ..quant.modules import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from .fused_layer import ExitLayerFamily, FusedExitLayer, register_family
+
+__all__ = ["LlamaFamily", "FusedLlamaLayer", "LLAMA_FAMILY", "step_tables"]
+
+#: attention implementations whose masks SDPA takes as they are
+_ATTENTION = ("sdpa", "eager")
+#: kernel modules that take their compute dtype as input and then return it (the cast is ours)
+_CASTING_KERNELS = (Int4WeightOnlyLinear, Int8WeightOnlyLinear, CastLinear)
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+
+
+class _StepTables(threading.local):
+    """This thread's tables derived from the forward pass in flight: the rotary ``cos``/``sin`` it
+    came with (identity and version), their ``[batch, 1, tokens, head_dim]`` forms, and the
+    additive forms of the boolean decode masks seen in it."""
+
+    def __init__(self):
+        self.key = None
+        self.tables = None
+        self.masks: dict = {}
+
+
+_TABLES = _StepTables()
+
+
+def _version(t: torch.Tensor):
+    return None if t.is_inference() else t._version  # inference tensors have no version counter
+
+
+def step_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos4, sin4)``: ``cos`` ``[batch, tokens, head_dim]`` as ``[batch, 1, tokens, head_dim]``, and
+    ``sin`` likewise with its first half negated, so ``x * cos4 + roll(x, head_dim / 2) * sin4``
+    is ``x * cos + rotate_half(x) * sin``. Made once while the same tensors come back (this
+    thread's last pass: the model computes ``position_embeddings`` once per forward pass)."""
+    local = _TABLES
+    key = local.key
+    if key is not None and key[0] is cos and key[1] is sin and key[2] == _version(cos) and key[3] == _version(sin):
+        return local.tables
+    half = sin.shape[-1] // 2
+    tables = (cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1))
+    local.key, local.tables, local.masks = (cos, sin, _version(cos), _version(sin)), tables, {}
+    return tables
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean decode mask (True: attend) as the additive mask SDPA would make of it (0 / -inf in
+    ``dtype``), once per mask of this pass (:func:`step_tables` starts a pass's set)."""
+    masks = _TABLES.masks
+    entry = masks.get(id(mask))
+    if entry is not None and entry[0] is mask and entry[1] == _version(mask) and entry[2].dtype == dtype:
+        return entry[2]
+    out = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                      torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+    masks[id(mask)] = (mask, _version(mask), out)
+    return out
+
+
+def _feed_dtype(kernel: nn.Module) -> torch.dtype | None:
+    """The dtype to hand ``kernel`` inside an fp32 model (its compute dtype, when it is one of
+    :data:`_CASTING_KERNELS` and narrower than fp32), else None (it gets the model's dtype)."""
+    if isinstance(kernel, _CASTING_KERNELS) and kernel.compute_dtype in (torch.bfloat16, torch.float16):
+        return kernel.compute_dtype
+    return None
+
+
+class FusedLlamaLayer(FusedExitLayer):
+    """The fused exit layer of a Llama / Qwen2 / Mistral exit copy (module docstring).
+
+    Called exactly like the architecture's decoder layer (``hidden_states [batch, tokens, hidden]``,
+    ``attention_mask``, ``position_ids``, ``cache`` (or ``past_key_values``), ``use_cache``,
+    ``position_embeddings`` = ``(cos, sin)`` each ``[batch, tokens, head_dim]``, other keyword
+    arguments passed on to the cache's ``update``); returns ``[batch, tokens, hidden]`` in the
+    input's dtype. A call it cannot serve (:meth:`serves`, no ``position_embeddings``, a rotary
+    table narrower than ``head_dim``, a mask that is not a tensor) runs the architecture copy.
+    """
+
+    family = "llama"
+
+    def __init__(self, exit_copy: nn.Module, config):
+        super().__init__(exit_copy)
+        attn, mlp = exit_copy.self_attn, exit_copy.mlp
+        d = self.head_dim = attn.head_dim
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.rep = self.heads // self.kv_heads
+        self.scaling = attn.scaling
+        self.layer_index = attn.layer_idx
+        self.hidden = config.hidden_size
+        self.intermediate = getattr(mlp, "intermediate_size", None) or config.intermediate_size
+        self.attn_config = config  # the exit copy's own (its attention implementation is read per call)
+        fused_qkv = attn._modules.get(FUSED_NAMES[GROUPS[0]])
+        fused_gu = mlp._modules.get(FUSED_NAMES[GROUPS[1]])
+        kernels = {
+            "qkv": (fused_qkv.linear,) if fused_qkv is not None else (attn.q_proj, attn.k_proj, attn.v_proj),
+            "o": (attn.o_proj,),
+            "gu": (fused_gu.linear,) if fused_gu is not None else (mlp.gate_proj, mlp.up_proj),
+            "down": (mlp.down_proj,),
+        }
+        # plain references into the architecture copy (its child), not modules of this layer
+        self.__dict__["kernels"] = kernels
+        self.__dict__["feeds"] = {k: _feed_dtype(mods[0]) if len({_feed_dtype(m) for m in mods}) == 1 else None
+                                  for k, mods in kernels.items()}
+        self.__dict__["norms"] = (exit_copy.input_layernorm, exit_copy.post_attention_layernorm)
+        self.qk_size = (self.heads + self.kv_heads) * d
+
+    def _product(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """The product(s) ``key`` of ``x`` (concatenated when separate), in the kernel's compute dtype
+        (one cast in, none out) when it computes narrower than fp32 inside an fp32 model."""
+        feed = self.feeds[key]
+        if feed is not None and x.dtype == torch.float32:
+            x = x.to(feed)
+        mods = self.kernels[key]
+        if len(mods) == 1:
+            return mods[0](x)
+        return torch.cat([m(x) for m in mods], dim=-1)
+
+    def _norm(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        norm = self.norms[index]
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                use_cache: bool | None = False, position_embeddings=None, **kwargs) -> torch.Tensor:
+        past = kwargs.pop("past_key_values", None)
+        if cache is None:
+            cache = past
+        impl = attn_implementation(self.attn_config)
+        if (position_embeddings is None or impl not in _ATTENTION or not self.serves()
+                or position_embeddings[0].shape[-1] != self.head_dim
+                or (attention_mask is not None and not isinstance(attention_mask, torch.Tensor))):
+            return self.architecture(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                     cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+                                     **kwargs)
+        batch, tokens, _ = hidden_states.shape
+        d, heads, kv = self.head_dim, self.heads, self.kv_heads
+        dtype = hidden_states.dtype
+        cos4, sin4 = step_tables(*position_embeddings)
+
+        # attention: one product, rotary on q and k at once, K/V into the shared cache slot
+        qkv = self._product("qkv", self._norm(0, hidden_states)).view(batch, tokens, heads + 2 * kv, d).transpose(1, 2)
+        qk, values = qkv.split((heads + kv, kv), dim=1)  # [batch, heads, tokens, head_dim] views
+        # the model's dtype (cos4's); not addcmul: its fused multiply-add rounds differently from the
+        # architecture's q * cos + rotate_half(q) * sin, and bf16 re-rounding can amplify that
+        qk = qk * cos4 + qk.roll(d // 2, dims=-1) * sin4
+        query, keys = qk.split((heads, kv), dim=1)
+        values = values.to(dtype)
+        if cache is not None:
+            keys, values = cache.update(keys, values, self.layer_index,
+                                        kwargs={"position_ids": position_ids, "use_cache": use_cache, **kwargs})
+        mask, causal = attention_mask, False
+        if mask is None:
+            causal = impl == "sdpa" and tokens > 1  # transformers' sdpa: the causal flag when no mask
+            if causal and keys.shape[2] > tokens:  # an empty static cache's prefill (transformers' crop)
+                keys, values = keys[:, :, :tokens], values[:, :, :tokens]
+        elif mask.dtype == torch.bool and tokens == 1:
+            mask = _additive(mask, query.dtype)
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scaling,
+                                              is_causal=causal, enable_gqa=self.rep > 1)
+        attn = attn.transpose(1, 2).reshape(batch, tokens, heads * d)
+        hidden_states = hidden_states + self._product("o", attn)  # one add, in the model's dtype
+
+        # MLP: one gate/up product, silu(gate) * up in the model's dtype
+        gu = self._product("gu", self._norm(1, hidden_states))
+        gate, up = gu.split(self.intermediate, dim=-1)
+        act = F.silu(gate.to(dtype)) * up
+        return hidden_states + self._product("down", act)
+
+    def extra_repr(self) -> str:
+        separate = [k for k, mods in self.kernels.items() if len(mods) > 1]
+        return super().extra_repr() + (f", separate products: {separate}" if separate else "")
+
+
+class LlamaFamily(ExitLayerFamily):
+    """Llama, Qwen2 and Mistral decoder layers (:class:`FusedLlamaLayer`): told by the config's
+    ``model_type`` and the layer's structure (children, norms, activation, attention)."""
+
+    name = "llama"
+    model_types = ("llama", "qwen2", "mistral")
+
+    def refusal(self, layer: nn.Module, config) -> str | None:
+        if config is None:
+            return "the layer's attention keeps no config"
+        model_type = getattr(config, "model_type", None)
+        if model_type not in self.model_types:
+            return f"model type {model_type!r} is not one of {', '.join(self.model_types)}"
+        impl = attn_implementation(config)
+        if impl not in _ATTENTION:
+            return f"attention implementation {impl!r} (served: {', '.join(_ATTENTION)})"
+        if set(layer._modules) != _LAYER_CHILDREN:
+            return f"decoder layer children {sorted(layer._modules)}, expected {sorted(_LAYER_CHILDREN)}"
+        attn, mlp = layer.self_attn, layer.mlp
+        if not _ATTN_CHILDREN <= set(attn._modules) <= _ATTN_CHILDREN | {FUSED_NAMES[GROUPS[0]]}:
+            return f"attention children {sorted(attn._modules)} (a q/k norm or other extra module)"
+        if not _MLP_CHILDREN <= set(mlp._modules) <= _MLP_CHILDREN | {FUSED_NAMES[GROUPS[1]]}:
+            return f"MLP children {sorted(mlp._modules)}"
+        probe = torch.linspace(-6.0, 6.0, 13)
+        if getattr(config, "hidden_act", None) not in ("silu", "swish") or not torch.equal(mlp.act_fn(probe),
+                                                                                          F.silu(probe)):
+            return f"activation {getattr(config, 'hidden_act', None)!r} is not silu"
+        if getattr(config, "pretraining_tp", 1) not in (None, 1):
+            return "pretraining_tp > 1"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            weight = getattr(norm, "weight", None)
+            if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (config.hidden_size,) or not isinstance(
+                    getattr(norm, "variance_epsilon", None), float):
+                return f"norm {type(norm).__name__} is not an RMSNorm with weight [hidden] and variance_epsilon"
+        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        d = getattr(attn, "head_dim", None)
+        if not isinstance(d, int) or d % 2 or heads % kv or not getattr(attn, "is_causal", False):
+            return "attention is not causal grouped-query attention with an even head_dim"
+        if not all(hasattr(attn, n) for n in ("scaling", "layer_idx")):
+            return "attention has no scaling or layer_idx"
+        want = [heads * d, kv * d, kv * d]
+        outs = [getattr(getattr(attn, n), "out_features", w) for n, w in zip(("q_proj", "k_proj", "v_proj"), want)]
+        if outs != want:  # a kernel module that does not say its width is checked by the build check
+            return f"q/k/v widths {outs}, expected {want}"
+        return None
+
+    def dtype(self, layer: nn.Module) -> torch.dtype:
+        """The input norm's weight dtype (a quantized kernel's parameters may be in its compute dtype)."""
+        return layer.input_layernorm.weight.dtype
+
+    def build(self, exit_copy: nn.Module, config) -> FusedLlamaLayer:
+        return FusedLlamaLayer(exit_copy, config)
+
+    def check_kwargs(self, exit_copy: nn.Module, config, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """Default RoPE (θ = 10000) tables of ``positions``: any rotary tables compare the two
+        implementations, the model's own are not needed."""
+        d = exit_copy.self_attn.head_dim
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d))
+        freqs = positions[..., None].float() * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return {"attention_mask": None, "position_ids": positions, "use_cache": True,
+                "position_embeddings": (emb.cos().to(dtype), emb.sin().to(dtype))}
+
+
+LLAMA_FAMILY = register_family(LlamaFamily())
