@@ -27,6 +27,10 @@ each (every row exactly ``--new-tokens``; tokens/s count every row's tokens). Me
   off by default: ``--set prompt_kernel=true``) bypassed for the run (``prompt_kernels_off``): its
   prompt pass on the one-row kernels; the same model and decode kernels, so the pair shows what
   they buy (without prompt kernels the two are the same model);
+- ``river-fused``, ``exit-fused``, ``lossless-fused``: the same modes on a second River model whose
+  exit layers are River's own fused layers over stacked q/k/v and gate/up products (``FUSED``:
+  ``exit_layer_impl="auto"``, ``fuse_projections=True``; the backbone is the same architecture code), so
+  fused against architecture exit layers is read from one run;
 - ``llama.cpp``: llama-cpp-python on the very GGUF the fp32 checkpoint was dequantized from
   (``river_hf.models.gguf_file``), ``--threads`` threads, fed the same prompt token ids; only
   when ``llama_cpp`` imports (it builds from its PyPI sdist; not a dependency of river-hf).
@@ -65,7 +69,10 @@ from river_hf.bench_harness import (EOS_SUPPRESSED, LlamaCppRunner, available, c
 from river_hf.bench_harness.output import command_line, compare_protocol, write_report
 
 METHODS = ("unmodified", "river", "exit", "exit-noprompt", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16",
-           "unmodified-onednn", "river-onednn", "llama.cpp")
+           "unmodified-onednn", "river-onednn", "llama.cpp", "river-fused", "exit-fused", "lossless-fused")
+#: what the ``-fused`` methods change: River's own fused exit layers over stacked q/k/v and gate/up products
+#: (a second River model, same kernels chosen by the same rules)
+FUSED = {"exit_layer_impl": "auto", "fuse_projections": True}
 
 
 def main(argv=None) -> int:
@@ -128,8 +135,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
 
-    def load(dtype):
-        kwargs = {"river_config": dataclasses.replace(default_config(args.model), **overrides)} if overrides else {}
+    def load(dtype, extra=None):
+        fields = {**overrides, **(extra or {})}
+        kwargs = {"river_config": dataclasses.replace(default_config(args.model), **fields)} if fields else {}
         model = RiverForCausalLM.from_pretrained(args.model, dtype=dtype, progress=False, **kwargs)
         return model, plain_model(model)
 
@@ -139,6 +147,7 @@ def main(argv=None) -> int:
     river16 = plain16 = None
     if any(m.endswith("-bf16") for m in methods):
         river16, plain16 = load(torch.bfloat16)
+    river_fused = load(torch.float32, FUSED)[0] if any(m.endswith("-fused") for m in methods) else None
     tok = AutoTokenizer.from_pretrained(resolve(args.model, progress=False))
     prompts = [encode_prompt(tok, text)["input_ids"] for text in texts]
     if len(prompts) % args.batch:
@@ -175,8 +184,10 @@ def main(argv=None) -> int:
                 bf16 = method.endswith("-bf16")
                 onednn = method.endswith("-onednn")
                 noprompt = method.endswith("-noprompt")
-                base = method.removesuffix("-bf16").removesuffix("-onednn").removesuffix("-noprompt")
+                base = method.removesuffix("-bf16").removesuffix("-onednn").removesuffix("-noprompt").removesuffix("-fused")
                 model = (plain16 if bf16 else plain) if base == "unmodified" else (river16 if bf16 else river)
+                if method.endswith("-fused"):
+                    model = river_fused
                 timer = TokenTimer()
                 mode = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(base)
                 with torch.no_grad(), (model.river_mode(mode) if mode else contextlib.nullcontext()), \
