@@ -90,6 +90,20 @@ def _fell_back(report: dict, method: str) -> str:
     return " (ran on the backbone)" if own and modes and own not in modes else ""
 
 
+def other_results(folder: Path, done: set[Path]) -> list[str]:
+    """A section for the folder's other results (another benchmark, model or prompt set): each JSON
+    with the command it records, and the Markdown table written next to it where there is one."""
+    lines = []
+    for path in sorted(folder.glob("*.json")):
+        if path in done:
+            continue
+        command = json.loads(path.read_text()).get("command")
+        lines += [f"### {path.name}", "", f"`{command}`" if command else "(no command recorded)", ""]
+        if path.with_suffix(".md").is_file():
+            lines += [path.with_suffix(".md").read_text().strip(), ""]
+    return ["## Other results in this folder", "", *lines] if lines else []
+
+
 def render(args, folder: Path) -> None:
     reports = {}
     for batch in args.batches:
@@ -105,6 +119,7 @@ def render(args, folder: Path) -> None:
         index += [f"## Batch {batch}", "", md.read_text().strip(), ""]
     if len(reports) > 1:
         index += ["## Decode speedup by batch size", "", batch_table(reports), ""]
+    index += other_results(folder, {result_path(folder, args.model, b) for b in reports})
     (folder / "README.md").write_text("\n".join(index))
     if 1 in reports and args.readme:
         block = headline(reports[1], args.machine_label, f"{rel}/README.md")
