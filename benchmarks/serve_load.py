@@ -18,7 +18,8 @@ Each gets one untimed warm-up request, then exactly ``--requests`` streamed chat
 phase stops by itself: no new request after ``--time-limit`` seconds per server (unsent ones are
 counted as errors), and each request times out at the limit. Per server: requests, errors,
 latency p50/p95 (request sent to last byte, s), TTFT p50/p95 (to the first content chunk, s),
-throughput (completion tokens of all requests / wall time of the phase, tokens/s) and, for the
+throughput (completion tokens of all requests / wall time of the phase, tokens/s; the usage the
+stream reports, else the answer text's tokens by the model's own tokenizer: transformers serve streams no usage) and, for the
 River servers, the mean of the per-call ``river`` figures (decode tokens/s, mean exit layer or
 acceptance rate, seconds queued, requests per batch). JSON (with the command) + PNG.
 
@@ -100,7 +101,8 @@ def one_request(port: int, prompt: str, max_tokens: int, timeout: float) -> dict
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                        "temperature": 0, "stream": True})
     start = time.perf_counter()
-    out = {"prompt": prompt, "error": None, "ttft": None, "completion_tokens": 0, "river": None, "text": ""}
+    out = {"prompt": prompt, "error": None, "ttft": None, "completion_tokens": 0, "river": None, "text": "",
+           "chunks": 0}
     try:
         c = http.client.HTTPConnection(HOST, port, timeout=max(timeout, 1.0))
         c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -119,6 +121,7 @@ def one_request(port: int, prompt: str, max_tokens: int, timeout: float) -> dict
                 delta = (chunk.get("choices") or [{}])[0].get("delta", {})
                 if delta.get("content"):
                     out["text"] += delta["content"]
+                    out["chunks"] += 1
                     if out["ttft"] is None:
                         out["ttft"] = time.perf_counter() - start
                 if chunk.get("usage"):
@@ -171,18 +174,24 @@ def _pct(values: list[float], q: float):
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summarize(phase: dict) -> dict:
+def summarize(phase: dict, count_tokens=None) -> dict:
+    """Per-server figures of a load phase; ``count_tokens(text) -> int`` counts the completion tokens of
+    a server whose stream reports no usage (transformers serve), else its content chunks are counted."""
     ok = [r for r in phase["results"] if r["error"] is None]
     lat = [r["latency"] for r in ok]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
-    tokens = sum(r["completion_tokens"] for r in ok)
+    # a server whose stream sends no usage (transformers serve): its answer text re-tokenized
+    counted_by = "usage" if all(r["completion_tokens"] for r in ok) else (
+        "the model's tokenizer" if count_tokens else "content chunks")
+    tokens = sum(r["completion_tokens"] if counted_by == "usage" else
+                 count_tokens(r["text"]) if count_tokens else r["chunks"] for r in ok)
     out = {
         "requests": len(phase["results"]) + phase["unsent"],
         "answered": len(ok),
         "errors": len(phase["results"]) - len(ok) + phase["unsent"],
         "error_messages": sorted({r["error"] for r in phase["results"] if r["error"]})[:5],
         "wall_seconds": phase["wall_seconds"],
-        "completion_tokens": tokens,
+        "completion_tokens": tokens, "tokens_counted_by": counted_by,
         "throughput_tokens_per_s": tokens / phase["wall_seconds"] if phase["wall_seconds"] > 0 else None,
         "latency_p50_s": _pct(lat, 0.5), "latency_p95_s": _pct(lat, 0.95),
         "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
@@ -201,6 +210,16 @@ def summarize(phase: dict) -> dict:
     return out
 
 
+def token_counter(model: str):
+    """``text -> number of tokens`` with the model's own tokenizer (no special tokens added)."""
+    from transformers import AutoTokenizer
+
+    from river_hf import resolve
+
+    tok = AutoTokenizer.from_pretrained(resolve(model, progress=False))
+    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
+
+
 def run_server(kind: str, args) -> dict:
     port = free_port()
     cmd = server_command(kind, args.model, port)
@@ -214,7 +233,8 @@ def run_server(kind: str, args) -> dict:
         if warm["error"]:
             raise RuntimeError(f"{kind}: the warm-up request failed: {warm['error']}")
         print(f"[serve_load] {kind}: {args.requests} requests from {args.clients} clients ...", file=sys.stderr, flush=True)
-        summary = summarize(load_phase(port, args.requests, args.clients, args.max_tokens, args.time_limit))
+        summary = summarize(load_phase(port, args.requests, args.clients, args.max_tokens, args.time_limit),
+                            count_tokens=token_counter(args.model))
         summary.update(command=" ".join(cmd[1:]), ready_seconds=ready)
         return summary
     finally:
