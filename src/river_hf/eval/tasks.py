@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 
+from ..bench_harness.prompts import left_padded
 from ..errors import RiverError
 from . import metrics
 from .agreement import kv_cosine_similarity, next_token_agreement, reference_continuation
@@ -60,18 +61,6 @@ class _CodeBlockDone:
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
-def _left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)``, ``LongTensor [B, longest]`` each: the ``[1, n]`` prompts
-    right-aligned, ``pad`` and mask 0 before the shorter ones (as ``generate`` wants a batch)."""
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.shape[1]:] = p[0]
-        mask[b, width - p.shape[1]:] = 1
-    return ids, mask
-
-
 def _generate(model, tokenizer, texts: list[str], max_new_tokens: int,
               code_block_stop: bool = False) -> tuple[list[dict], dict]:
     """Greedy generation of ``texts`` as ONE ``generate`` call (one prompt: as it stands; several:
@@ -88,7 +77,7 @@ def _generate(model, tokenizer, texts: list[str], max_new_tokens: int,
     from transformers import StoppingCriteriaList
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids, mask = _left_padded([encode_prompt(tokenizer, t)["input_ids"] for t in texts], pad)
+    ids, mask = left_padded([encode_prompt(tokenizer, t)["input_ids"] for t in texts], pad)
     ids, mask, width = ids.to(model.device), mask.to(model.device), ids.shape[1]
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=mask, pad_token_id=pad)
     stop = _CodeBlockDone(tokenizer, width) if code_block_stop else None
