@@ -372,7 +372,7 @@ def test_one_checked_settings_path_for_every_entry_point(tmp_path):
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1)
     settings = dict(tau=0.7, min_layer=1, backend="copy", exit_head="copy", prefill="backbone", lossless=True,
-                    strategy="river", prompt_kernel=False, exit_layer_impl="auto")
+                    strategy="river", prompt_kernel=False, exit_layer_impl="auto", backbone_kernel="torch")
     assert set(settings) | {"offload_from", "offload_dir"} == set(RIVER_SETTINGS)
     built = RiverForCausalLM.from_config(config, progress=False, **settings)
     plain = LlamaForCausalLM(config).eval()
@@ -383,6 +383,7 @@ def test_one_checked_settings_path_for_every_entry_point(tmp_path):
         c = model.river_config
         assert (c.tau, c.min_layer, c.backend, c.exit_head, c.prefill, c.lossless) == (0.7, 1, "copy", "copy", "backbone",
                                                                                       True)
+        assert c.backbone_kernel == "torch"
     with pytest.raises(RiverError, match="unknown keyword argument.*taus"):
         enable_river(LlamaForCausalLM(config).eval(), taus=0.9, progress=False)
     with pytest.raises(RiverError, match="offload_from"):

@@ -35,6 +35,8 @@ def positive_int(text: str) -> int:
 
 #: ``RiverConfig.exit_layer_impl`` values (river_hf.river.config.EXIT_LAYER_IMPLS), without importing torch.
 EXIT_LAYER_IMPLS = ("architecture", "fused", "auto")
+#: ``RiverConfig.backbone_kernel`` values (river_hf.river.config.VERIFY_KERNELS), without importing torch.
+BACKBONE_KERNELS = ("auto", "onednn", "torch")
 #: kernel choices the CLI offers for --backend / --exit-head (river_hf.quant.BACKENDS), without importing torch.
 KERNEL_CHOICES = ("int8", "int4", "int4-g32", "torch-int8", "torch-int4", "torch-int4-g32", "quanto-int8", "quanto-int4",
                   "ort-int4", "ort-int4-g32", "ort-int8", "torch-dyn-int8", "ark-int4", "ark-int8", "quanto", "copy")
@@ -61,6 +63,10 @@ def add_river_arguments(p, *, min_layer: bool = True) -> None:
                    help="what the exit layers run: architecture (the architecture's decoder-layer code over the "
                         "quantized Linears), fused (River's fused layer where its family has one: Llama, Qwen2, "
                         "Mistral; warns otherwise) or auto (fused where supported, silently) (default: per-model config)")
+    p.add_argument("--backbone-kernel", default=None, choices=BACKBONE_KERNELS,
+                   help="fp32 CPU, route mode: the backbone layers River runs read a packed oneDNN copy of their "
+                        "weights (auto: where one-row calls measured faster; onednn: always; torch: never; τ > 1 "
+                        "never does) (default: auto)")
 
 
 def river_overrides(args) -> dict:
@@ -74,7 +80,7 @@ def river_overrides(args) -> dict:
         if value is not None and value not in allowed:
             raise RiverError(f"unknown quantization backend {value!r} for {flag}: choose one of {', '.join(allowed)}")
     out = {}
-    for name in ("min_layer", "backend", "prefill", "exit_layer_impl"):
+    for name in ("min_layer", "backend", "prefill", "exit_layer_impl", "backbone_kernel"):
         value = getattr(args, name, None)
         if value is not None:
             out[name] = value

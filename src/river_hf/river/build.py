@@ -42,6 +42,7 @@ from . import lossless
 from .layer import LOSSLESS, RiverHead, RiverLayer, RiverRouter
 from .offload import build_exit_layer, is_offloaded, offload_backbone
 from .strategies import STRATEGIES, cache_of
+from .verify_kernel import backbone_hooks
 
 __all__ = ["build_exit_path", "build_exit_copy", "disable_river", "refresh_exit_layers", "settings_for", "warn_negative_taus",
            "RIVER_ATTRIBUTES", "KEEP"]
@@ -51,7 +52,8 @@ KEEP = object()  # "not given" for settings where None is a value (exit_head=Non
 
 #: Attributes ``enable_river`` puts on the model (``disable_river`` removes them).
 RIVER_ATTRIBUTES = ("river", "river_config", "river_build_seconds", "river_kernel_report",
-                    "_river_step_bytes", "_river_hooks", "_river_verify_linear", "_river_warned_lossless_batch",
+                    "_river_step_bytes", "_river_hooks", "_river_verify_linear", "_river_backbone_linear",
+                    "_river_warned_lossless_batch",
                     "_river_prints")
 
 
@@ -141,6 +143,9 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
     if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
         offload_backbone(layers, config.offload_from, config.offload_dir)
     hooks = _register_router_hooks(stack, router) + _register_verify_hooks(model, router)
+    head = model.get_output_embeddings()
+    hooks += backbone_hooks([layer.backbone for layer in layers if isinstance(layer, RiverLayer)]
+                            + ([head.backbone] if isinstance(head, RiverHead) else []), router)
     hooks.append(model.register_load_state_dict_post_hook(_refresh_after_load))
     return {"river": router, "river_config": config, "river_build_seconds": build_seconds,
             "river_kernel_report": report,

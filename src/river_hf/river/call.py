@@ -40,8 +40,11 @@ class GenerateCall:
         first_stop: the :class:`~river_hf.river.lossless.FirstStop` the call's stopping criteria
             were wrapped in (a batch-1 lossless call), None otherwise; ``generate`` cuts its output
             at ``first_stop.stop_at``.
-        kernel_modes: the kernel modes the model's forward pre-hook entered (None where it entered
-            none), one per forward in flight; its forward hook exits and pops them.
+        backbone_linear: the ``TorchFunctionMode`` a route-mode call's backbone layers and original
+            LM head run their Linears in (:func:`~river_hf.river.verify_kernel.backbone_mode`), None:
+            plain ``F.linear``. backbone_kernel: what that function said (reported in ``river_stats``).
+        kernel_modes: the kernel modes the model's forward pre-hooks entered (None where one entered
+            none), one per module call in flight; its forward hook exits and pops them.
     """
 
     lossless: bool = False
@@ -49,6 +52,8 @@ class GenerateCall:
     verify_linear: object | None = None
     draft_settings: dict = field(default_factory=dict)
     first_stop: object | None = None
+    backbone_linear: object | None = None
+    backbone_kernel: dict | None = None
     kernel_modes: list = field(default_factory=list)
 
     @property

@@ -23,7 +23,7 @@ from .strategies import STRATEGIES
 
 #: lossless-mode choices (defined here, at the bottom of the import graph; :mod:`.lossless` reuses them)
 DRAFT_SCHEDULES = ("heuristic", "constant")
-VERIFY_KERNELS = ("auto", "onednn", "torch")
+VERIFY_KERNELS = ("auto", "onednn", "torch")  # also the values of backbone_kernel
 #: where a lossless draft pass runs: ``route`` (River's exit path: backbone layers until the draft
 #: rules say exit, then exit layers) or ``exit`` (every layer its exit copy: no backbone layer)
 DRAFT_PATHS = ("route", "exit")
@@ -59,7 +59,7 @@ def check_tau(tau) -> float:
 #: The River settings ``RiverForCausalLM.from_pretrained``, ``from_config`` and ``enable_river`` take as
 #: keyword arguments, each overriding the :class:`RiverConfig` field of that name.
 RIVER_SETTINGS = ("tau", "min_layer", "backend", "exit_head", "prefill", "lossless", "strategy", "prompt_kernel",
-                  "exit_layer_impl", "offload_from", "offload_dir")
+                  "exit_layer_impl", "backbone_kernel", "offload_from", "offload_dir")
 
 
 def river_settings(kwargs: dict, *, allowed: tuple = RIVER_SETTINGS, where: str = "enable_river") -> dict:
@@ -166,6 +166,11 @@ class RiverConfig:
             multi-token verify passes where it measured faster than ``F.linear``, and for the prompt
             pass too where it also measured faster at a prompt's row count; costs a packed copy of
             the backbone's Linear weights), ``onednn`` (both, unmeasured) or ``torch``.
+        backbone_kernel: route mode, fp32 CPU: the kernel of the backbone layers River runs (and
+            of the original LM head): ``auto`` (oneDNN on the packed copy ``verify_kernel`` makes,
+            where one-row calls measured faster there than through ``F.linear``), ``onednn``
+            (unmeasured) or ``torch``; never while the rules cannot exit (τ > 1 stays the plain
+            model). See :func:`river_hf.river.verify_kernel.backbone_mode`.
         offload_from: first backbone layer kept off the compute device (None: no offload).
         offload_dir: folder for disk offload on CPU-only machines (None: a temporary folder).
         kernel_choice: the kernel each Linear shape of a measured choice (``int4`` / ``int8``) got,
@@ -232,6 +237,7 @@ class RiverConfig:
     draft_min_layer: int | None = None
     draft_vocab: int = 0
     verify_kernel: str = "auto"
+    backbone_kernel: str = "auto"
     offload_from: int | None = None
     offload_dir: str | None = None
     kernel_choice: dict[str, str] | None = None
@@ -280,6 +286,8 @@ class RiverConfig:
             raise RiverError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.draft_vocab!r}")
         if self.verify_kernel not in VERIFY_KERNELS:
             raise RiverError(f"verify_kernel must be one of {', '.join(VERIFY_KERNELS)}, got {self.verify_kernel!r}")
+        if self.backbone_kernel not in VERIFY_KERNELS:
+            raise RiverError(f"backbone_kernel must be one of {', '.join(VERIFY_KERNELS)}, got {self.backbone_kernel!r}")
         if self.offload_from is not None and (not isinstance(self.offload_from, int) or self.offload_from < 0):
             raise RiverError(f"offload_from must be a layer index >= 0 or None, got {self.offload_from!r}")
         if self.kernel_choice is not None and not (

@@ -156,6 +156,17 @@ class ExitRuleList(list):
                 break
         return [bool(d) for d in decided]  # None (no rule decided): stay
 
+    def may_exit(self) -> bool:
+        """False when no pass can ever leave the backbone under these rules: asked in order, every
+        rule before the first :class:`StateTransitionSimilarityRule` with τ > 1 (which always
+        answers False) is a :class:`MinLayerRule` (never True), or the list holds only those. Any
+        other rule may answer True, so then True."""
+        for rule in self:
+            if type(rule) is MinLayerRule:
+                continue
+            return not (type(rule) is StateTransitionSimilarityRule and rule.tau > 1.0)
+        return False
+
     def to_list(self) -> list[dict]:
         return [rule.to_dict() for rule in self]
 

@@ -48,10 +48,10 @@ from .config import DRAFT_PATHS, DRAFT_SCHEDULES, PROMPT_LOOKUP_RULES, VERIFY_KE
 from .draft_vocab import draft_head_for
 from .drafter import ExitPathDrafter, LookupGate
 from .verify_kernel import (PACK_MEMORY_SHARE, PROMPT_MAX_ROWS, PROMPT_TIMED_ROWS, available_memory_bytes,
-                            backbone_step_seconds, verify_mode)
+                            backbone_mode, backbone_step_seconds, verify_mode)
 
 __all__ = ["ExitPathDrafter", "FirstStop", "LookupGate", "lossless_call", "draft_settings", "cut_at_stop",
-           "DRAFT_PATHS", "DRAFT_SCHEDULES", "PROMPT_LOOKUP_RULES", "VERIFY_KERNELS", "verify_mode",
+           "DRAFT_PATHS", "DRAFT_SCHEDULES", "PROMPT_LOOKUP_RULES", "VERIFY_KERNELS", "verify_mode", "backbone_mode",
            "backbone_step_seconds", "available_memory_bytes", "PACK_MEMORY_SHARE", "PROMPT_TIMED_ROWS",
            "PROMPT_MAX_ROWS"]
 

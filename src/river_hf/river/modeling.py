@@ -45,7 +45,7 @@ from .controllers import ExitRuleList
 from .layer import BACKBONE_ONLY, LOSSLESS, ROUTE, RiverHead, RiverLayer
 from .loading import architecture, as_class, load_checkpoint
 from .loading import read_config as _read_config  # noqa: F401  (the old name)
-from .lossless import cut_at_stop, lossless_call
+from .lossless import backbone_mode, cut_at_stop, lossless_call
 from .lossless_batch import BatchPlan
 from .lossless_generate import can_draft, drafter, first_stop
 from .serialization import save_river, saved_river_config
@@ -238,6 +238,8 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
                 lossless = False
                 stack.enter_context(self.river.override(mode=BACKBONE_ONLY))
             mode = self.river.mode
+            if mode == ROUTE:  # the backbone layers' kernel (None at τ > 1: the plain model's own)
+                call.backbone_linear, call.backbone_kernel = backbone_mode(self, self.river_config.backbone_kernel)
             stack.enter_context(self.river.calling(call))
             log = stack.enter_context(self.river.recording())
             if lossless:
@@ -258,6 +260,8 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
                                    lossless=call.record if lossless else None)
         stats["mode"] = mode
         stats["strategy"] = self.river.strategy.name
+        if call.backbone_kernel is not None:
+            stats["backbone_kernel"] = call.backbone_kernel
         if rebuilt:
             stats["exit_copies_rebuilt"] = rebuilt  # the backbone's weights had changed since they were built
         self.river.remember(stats)

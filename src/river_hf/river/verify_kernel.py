@@ -1,5 +1,6 @@
-"""The kernel of lossless mode's backbone passes (:func:`verify_mode`) and the unit its costs are
-counted in (:func:`backbone_step_seconds`).
+"""The kernel of lossless mode's backbone passes (:func:`verify_mode`), of route mode's backbone
+layers (:func:`backbone_mode`, the same packed copy) and the unit lossless costs are counted in
+(:func:`backbone_step_seconds`).
 
 A lossless call's verify passes (k + 1 rows) and its prompt pass run on the backbone; on fp32 CPU
 models their Linears may run through :class:`river_hf.quant.dense.PrepackedLinear` (oneDNN on a
@@ -19,7 +20,7 @@ import torch
 from ..quant.dense import PrepackedLinear, onednn_available
 from .layer import BACKBONE_ONLY
 
-__all__ = ["verify_mode", "backbone_step_seconds", "available_memory_bytes", "PACK_MEMORY_SHARE",
+__all__ = ["verify_mode", "backbone_mode", "backbone_hooks", "backbone_step_seconds", "available_memory_bytes", "PACK_MEMORY_SHARE",
            "PROMPT_TIMED_ROWS", "PROMPT_MAX_ROWS"]
 
 
@@ -160,6 +161,99 @@ def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
     mode = PrepackedLinear(linears, max_rows=PROMPT_MAX_ROWS if prompt else max(2, rows))
     return mode, {**info, "kernel": "onednn-prepacked", "packed_bytes": mode.packed_bytes,
                   "prompt": "onednn-prepacked" if prompt else "torch"}
+
+
+def backbone_mode(model, choice: str):
+    """The ``TorchFunctionMode`` a route-mode call's backbone layers and original LM head run their
+    Linears in (or None: plain ``F.linear``), and a dict saying why (``river_stats["backbone_kernel"]``).
+
+    River's route mode runs its first layers, and every layer of a row that has not exited, on the
+    fp32 backbone. A one-row fp32 product through ``F.linear`` (MKL) reads the weights at about
+    half the rate oneDNN reaches on a prepacked copy on AMD EPYC (see
+    :class:`~river_hf.quant.dense.PrepackedLinear`'s ``min_rows``), and at batch 4 and 8 the plain
+    model on the packed copy decodes 3.1x / 2.4x faster than on ``F.linear``
+    (``docs/results/``). This mode is a view of lossless mode's packed copy
+    (:func:`verify_mode`, the same memory rule; no second copy when both modes are used) that also
+    takes one-row calls. ``choice`` is ``RiverConfig.backbone_kernel``:
+
+    - ``torch``: no packing. The rules in force can never exit (τ > 1): none either, so τ > 1 stays
+      the plain model token for token (oneDNN sums in another order than ``F.linear``).
+    - ``auto``: the copy exists (:func:`verify_mode` ``auto`` packed it) and oneDNN measured faster
+      than ``F.linear`` at one row on the backbone's most common Linear shape (cached in
+      ``kernels.json``; ``RIVER_HF_AUTOTUNE=0``: not measured, not used).
+    - ``onednn``: the copy is built (memory permitting) and used, unmeasured.
+
+    Tokens change only by the summation order of the products (relative error ~1e-6), like any
+    River pass that runs other kernels; the backbone's modules are not touched.
+
+    Returns:
+        ``(mode or None, info)``; ``info`` has ``kernel`` (``onednn-prepacked`` or ``torch``),
+        ``why``, ``packed_bytes`` (memory the copy takes, bytes, shared with lossless mode),
+        ``timing_us`` (the one-row measurement, or None) and ``max_rows`` (the most rows a call may
+        have to go to oneDNN).
+    """
+    info = {"kernel": "torch", "why": "", "packed_bytes": 0, "timing_us": None, "max_rows": 0}
+    if choice == "torch":
+        return None, {**info, "why": "backbone_kernel='torch'"}
+    if not model.river.rules.may_exit():
+        return None, {**info, "why": "the rules never exit (τ > 1): the plain model's own kernels"}
+    copy, copy_info = verify_mode(model, choice, model.river_config.max_draft_tokens + 1)
+    if copy is None:
+        return None, {**info, "why": copy_info["why"]}
+    with _PACK_LOCK:
+        decided = model.__dict__.get("_river_backbone_linear")
+        if decided is None:
+            decided = model._river_backbone_linear = _decide_one_row(model, choice, copy_info)
+    if not decided["use"]:
+        return None, {**info, "why": decided["why"], "timing_us": decided["timing_us"]}
+    mode = copy.with_rows(min_rows=1)
+    return mode, {**info, "kernel": "onednn-prepacked", "why": decided["why"], "timing_us": decided["timing_us"],
+                  "packed_bytes": copy.packed_bytes, "max_rows": mode.max_rows}
+
+
+def _decide_one_row(model, choice: str, copy_info: dict) -> dict:
+    """Whether one-row backbone calls go to the packed copy (``auto``: measured, cached)."""
+    if choice == "onednn":
+        return {"use": True, "why": "backbone_kernel='onednn'", "timing_us": None}
+    from ..quant.autotune import LinearSpec, default_tuner, last_level_cache_bytes
+
+    tuner = default_tuner()
+    if tuner is None:
+        return {"use": False, "why": "RIVER_HF_AUTOTUNE=0: not measured, not used", "timing_us": None}
+    k_in, k_out = (int(x) for x in copy_info["shape"].split("x"))
+    available = available_memory_bytes() or 0
+    stream = min(2 * last_level_cache_bytes(), int(0.1 * available)) if available else None
+    best, timing = tuner.choose_mode(LinearSpec(k_in, k_out, False), 1, ("torch", "onednn"),
+                                     lambda: PrepackedLinear.measure(k_in, k_out, 1, stream_bytes=stream))
+    if best != "onednn":
+        return {"use": False, "why": "F.linear measured faster than prepacked oneDNN at one row", "timing_us": timing}
+    return {"use": True, "why": "prepacked oneDNN measured faster than F.linear at one row", "timing_us": timing}
+
+
+def backbone_hooks(modules, router) -> list:
+    """Forward hooks on each of ``modules`` (the backbone decoder layers and the original LM head)
+    that run the module inside its call's :attr:`GenerateCall.backbone_linear
+    <river_hf.river.call.GenerateCall.backbone_linear>` (when the call in flight has one; the exit
+    layers and the exit head stay outside it, so their many small ops pay no mode dispatch);
+    returns the handles. The exit hook runs even when the forward raises."""
+
+    def enter(module, args, kwargs):
+        call = router.current_call
+        if call is None:
+            return
+        mode = call.backbone_linear
+        if mode is not None:
+            mode.__enter__()
+        call.kernel_modes.append(mode)
+
+    def leave(module, args, kwargs, output=None):
+        call = router.current_call
+        mode = call.kernel_modes.pop() if call is not None and call.kernel_modes else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    return [h for m in modules for h in (m.register_forward_pre_hook(enter, with_kwargs=True),
+                                         m.register_forward_hook(leave, with_kwargs=True, always_call=True))]
 
 
 def backbone_step_seconds(model, repeats: int = 3) -> float:
