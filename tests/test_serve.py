@@ -296,16 +296,23 @@ def test_answer_text_holds_back_a_possible_stop_string(tiny):
     assert sent == "one two" and text.stopped and text.finish(ids) == ""
 
 
-def test_batching_runs_waiting_requests_together_and_fifo_one_at_a_time(tiny):
+@pytest.mark.parametrize("kind", ["step", "call", "fifo"])
+def test_batching_runs_waiting_requests_together_and_fifo_one_at_a_time(tiny, kind, monkeypatch):
+    """``step``: route mode's running batch; ``call``: whole generate calls (what a model the
+    running batch cannot serve gets, forced here); ``fifo``: one at a time."""
+    from river_hf.serve import scheduler
     from river_hf.serve.app import build_app
 
+    if kind == "call":
+        monkeypatch.setattr(scheduler, "unsupported", lambda model: "forced by the test")
     prompts = [" ".join(["word"] * (i + 1)) for i in range(4)]  # different lengths: left padding
 
     def ask(client, i):
         return client.post("/v1/completions", prompt=prompts[i], max_tokens=4 + i)
 
-    for batching in (True, False):
+    for batching in (kind != "fifo",):
         app = build_app(*tiny, "tiny", batching=batching, max_batch_size=3)
+        assert app.state.scheduler.batching == kind
         with serving(app) as client:
             alone = [ask(client, i) for i in range(4)]
             together = _concurrently(lambda i: ask(client, i), 4)
@@ -313,7 +320,10 @@ def test_batching_runs_waiting_requests_together_and_fifo_one_at_a_time(tiny):
         assert [b["usage"]["completion_tokens"] for b in together] == [4, 5, 6, 7]
         sizes = [b["river"]["batch_size"] for b in together]
         assert all(b["river"]["new_tokens"] == b["usage"]["completion_tokens"] for b in together)
-        if batching:
+        if kind == "step":
+            assert max(sizes) > 1 and max(sizes) <= 3, sizes
+            assert all(b["river"]["batching"] == "step" for b in together)
+        elif kind == "call":
             assert max(sizes) > 1 and max(sizes) <= 3 and app.state.scheduler.calls < 8, sizes
         else:
             assert sizes == [1] * 4 and app.state.scheduler.calls == 8
@@ -358,9 +368,9 @@ def test_route_mode_answers_and_a_client_that_leaves_mid_stream(river_smollm2):
 
 @pytest.mark.real_model
 def test_concurrent_clients_are_batched_and_each_gets_its_answer_alone(river_smollm2):
-    """τ > 1 (River never exits): batched rows equal their answers alone (up to fp32 order). With
-    τ ≤ 1 River takes one exit decision per batched pass, so rows may differ until decisions are
-    per row."""
+    """τ > 1 (River never exits): rows of the running batch equal their answers alone (up to fp32
+    order). With τ ≤ 1 each row exits on its own, so a near-tie greedy token may still flip by the
+    summation order of batched products (tests/test_serve_running_batch.py checks the mechanics)."""
     from river_hf.serve.app import build_app
 
     model, _ = river_smollm2

@@ -77,10 +77,11 @@ def build_app(model, tokenizer, name: str, *, max_tokens_limit: int | None = Non
         model: a River model (route or lossless mode). tokenizer: its tokenizer.
         name: the model's name (``GET /v1/models``; a request naming another gets a 404).
         max_tokens_limit: the largest ``max_tokens`` accepted (None: the model's context length).
-        batching: batch the waiting requests (up to ``max_batch_size`` per call); False: FIFO.
-            Lossless mode batches too (River's batched lossless loop, see
-            :mod:`~river_hf.serve.scheduler`).
-        max_batch_size: most requests per ``generate`` call (>= 1).
+        batching: batch the requests (up to ``max_batch_size`` at once); False: FIFO. Route mode
+            runs a running batch that requests join between decode steps; lossless mode batches
+            the waiting requests into one call (River's batched lossless loop); see
+            :mod:`~river_hf.serve.scheduler`.
+        max_batch_size: most requests in flight at once (>= 1).
 
     ``app.state.scheduler`` is the :class:`~river_hf.serve.scheduler.Scheduler`.
     """

@@ -31,9 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve a River model over HTTP (OpenAI-compatible)",
         description="Serve one River model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                     "/v1/completions, /v1/models, /health; streaming over SSE). Each completion carries the "
-                    "call's River statistics under a \"river\" key. Waiting requests with the same sampling "
-                    "settings run together as one batch (--batching, the default; lossless mode too), or one at a "
-                    "time in arrival order (--fifo).",
+                    "call's River statistics under a \"river\" key. Requests are batched (--batching, the "
+                    "default): in route mode they join a running batch between decode steps and leave it when "
+                    "finished; in lossless mode the waiting requests with the same sampling settings run as one "
+                    "batch. --fifo serves one at a time in arrival order.",
     )
     p.add_argument("model", help="model key, saved River folder or Hub id; requests name it (or omit \"model\")")
     p.add_argument("--tau", default=None, help="state transition similarity threshold τ; > 1 never exits "
@@ -50,13 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest max_tokens a request may ask for (default: the model's context length)")
     batching = p.add_mutually_exclusive_group()
     batching.add_argument("--batching", dest="fifo", action="store_false", default=False,
-                          help="run the requests waiting when the model is free as one generate batch (default)")
+                          help="batch the requests (default): in route mode they join the running batch between "
+                               "decode steps and leave it when finished; in lossless mode the waiting ones run as "
+                               "one batch")
     batching.add_argument("--continuous-batching", dest="fifo", action="store_false",
                           help="the same as --batching (River batches with its own scheduler)")
     batching.add_argument("--fifo", dest="fifo", action="store_true",
                           help="one request at a time, in arrival order")
     p.add_argument("--max-batch-size", type=positive_int, default=8,
-                   help="most requests in one generate batch (default: %(default)s)")
+                   help="most requests in flight at once (default: %(default)s)")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="transformers' and uvicorn's log level (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars while the model loads")
@@ -127,8 +130,10 @@ def run_serve(args) -> int:
     mode = "lossless" if args.lossless else "route"
     app = build_app(model, tokenizer, args.model, max_tokens_limit=args.max_tokens_limit, batching=not args.fifo,
                     max_batch_size=args.max_batch_size)
-    batch = app.state.scheduler.max_batch_size
-    queueing = f"batches of up to {batch}" if batch > 1 else "one request at a time"
+    scheduler = app.state.scheduler
+    queueing = {"fifo": "one request at a time",
+                "step": f"a running batch of up to {scheduler.max_batch_size} joined between decode steps",
+                "call": f"batches of up to {scheduler.max_batch_size} per call"}[scheduler.batching]
 
     def ready(host, port) -> None:
         print(f"river-hf serve: ready on http://{host}:{port} (model {args.model!r}, River {mode}, τ "

@@ -1,7 +1,13 @@
 """The inference side of ``river-hf serve``: one thread owns the model and runs the queued requests,
-either one at a time in arrival order (FIFO) or batched: the requests waiting when the thread
-becomes free run together as one ``model.generate`` call (left-padded, up to ``max_batch_size``
-rows), grouped only when their sampling settings and stop strings are equal.
+one at a time in arrival order (FIFO) or batched, up to ``max_batch_size`` rows:
+
+- route mode (River): a running batch (:mod:`.batch`): requests join it between decode steps
+  (their prompts prefilled together) and leave it as soon as they finish, so a request never
+  waits for another one's answer to end; each row exits at its own layer.
+- otherwise (lossless mode, a strategy that takes one decision per batch, a model with
+  sliding-window cache layers): the requests waiting when the thread becomes free run together as
+  one ``model.generate`` call (left-padded), grouped only when their sampling settings and stop
+  strings are equal.
 
 Only transformers' public generation API is used: ``generate`` with an ``attention_mask``, a
 ``BaseStreamer`` (:class:`RowStreamer`, which routes each row's new tokens to its request) and a
@@ -29,6 +35,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from .batch import RunningBatch, RunningRow, unsupported, warpers_for
 from .requests import Settings
 
 __all__ = ["Job", "Result", "Cancelled", "RowStreamer", "RowStops", "Scheduler", "response_stats"]
@@ -73,7 +80,8 @@ class Cancelled(Exception):
     """Raised inside ``generate`` (by :class:`RowStreamer`) when every request of the call has gone."""
 
 
-def response_stats(stats: dict, queued_seconds: float, *, batch_size: int = 1, new_tokens: int | None = None) -> dict:
+def response_stats(stats: dict, queued_seconds: float, *, batch_size: int = 1, new_tokens: int | None = None,
+                   batching: str = "call") -> dict:
     """The ``river`` key of a completion: the parts of ``model.river_stats`` (see
     :func:`river_hf.river.stats.summarize`) that describe one served call.
 
@@ -81,7 +89,9 @@ def response_stats(stats: dict, queued_seconds: float, *, batch_size: int = 1, n
     ``new_tokens`` (this request's tokens when given, else the call's), ``seconds`` (the generate
     call, s), ``prefill_seconds`` (its TTFT, s), ``decode_tokens_per_s`` and ``tokens_per_s``
     (tokens/s of the whole call: all rows of a batch), ``queued_seconds`` (s the request waited
-    before its call started), ``batch_size`` (requests in that call), and in route mode
+    before its call started), ``batch_size`` (requests in that call), ``batching`` (``"call"``:
+    whole ``generate`` calls; the running batch writes ``"step"``, :meth:`RunningRow.stats
+    <river_hf.serve.batch.RunningRow.stats>`), and in route mode
     ``mean_exit_layer`` (0..L; L: no exit) and ``exit_fraction``, in lossless mode
     ``acceptance_rate``, ``tokens_per_verify`` and ``mean_draft_exit_layer``. A figure that could
     not be measured (a call of one token has no decode phase) is None.
@@ -97,6 +107,7 @@ def response_stats(stats: dict, queued_seconds: float, *, batch_size: int = 1, n
         out["new_tokens"] = new_tokens
     out["queued_seconds"] = max(queued_seconds, 0.0)
     out["batch_size"] = batch_size
+    out["batching"] = batching
     return out
 
 
@@ -174,14 +185,16 @@ class Scheduler:
     Args:
         model: the River model (``generate``, ``river_stats``).
         tokenizer: its tokenizer (stop strings, decoding).
-        max_batch_size: most requests per ``generate`` call (1: FIFO, one at a time).
+        max_batch_size: most requests in flight at once (1: FIFO, one at a time).
         lossless: the model runs lossless mode: a call of one request streams its rounds one
             round late (``hold_rounds``, see :class:`RowStreamer`); a call of several is given no
             :class:`RowStops` and no stop strings (see the module's docstring).
 
-    Requests are taken in arrival order: the first waiting request starts the next call, and the
-    later waiting requests of its group join it, up to ``max_batch_size``; the others wait for the
-    next call, first in line.
+    Requests are taken in arrival order. With the running batch (:attr:`batching` ``"step"``) the
+    waiting requests join it between decode steps while it has fewer than ``max_batch_size`` rows.
+    Otherwise (:attr:`batching` ``"call"``, :attr:`step_refusal` says why) the first waiting request
+    starts the next ``generate`` call, and the later waiting requests of its group join it, up to
+    ``max_batch_size``; the others wait for the next call, first in line.
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int = 8, lossless: bool = False):
@@ -197,7 +210,12 @@ class Scheduler:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._running: list[Job] = []
-        self.calls = 0  # generate calls made (for tests and logs)
+        self.calls = 0  # generate calls (or running-batch passes) made (for tests and logs)
+        #: why requests do not join a running batch between steps (None: they do)
+        self.step_refusal = ("one request at a time" if max_batch_size == 1 else
+                             "lossless mode batches whole calls" if lossless else unsupported(model))
+        #: "step": route mode's running batch; "call": whole generate calls; "fifo": one at a time
+        self.batching = "fifo" if max_batch_size == 1 else "step" if self.step_refusal is None else "call"
 
     def start(self) -> None:
         """Start the inference thread (once)."""
@@ -217,31 +235,90 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def _drain(self, waiting: collections.deque, block: bool) -> bool:
+        """Move the queued requests into ``waiting`` (first waiting for one when ``block``);
+        True when the server is stopping."""
+        if block:
+            job = self._queue.get()
+            if job is None:
+                return True
+            waiting.append(job)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            if job is None:
+                return True
+            waiting.append(job)
+
     def _loop(self) -> None:
         waiting: collections.deque[Job] = collections.deque()
-        stopping = False
-        while not stopping:
-            if not waiting:
-                job = self._queue.get()
-                if job is None:
-                    break
-                waiting.append(job)
-            while True:
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if job is None:
-                    stopping = True
-                    break
-                waiting.append(job)
-            if stopping:
-                break
-            batch = self._take(waiting)
-            if batch:
-                self.run(batch)
+        if self.batching == "step":
+            self._step_loop(waiting)
+        else:
+            while not self._drain(waiting, block=not waiting):
+                batch = self._take(waiting)
+                if batch:
+                    self.run(batch)
         for job in waiting:
             job.deliver(("error", "the server is stopping"))
+
+    def _step_loop(self, waiting: collections.deque) -> None:
+        """Route mode's running batch: between decode steps the waiting requests join (one
+        prefill pass for those that fit), finished rows leave, and each row's answer goes out as
+        soon as it is finished."""
+        batch = RunningBatch(self.model, self.pad_id)
+        gen, device = self.model.generation_config, self.model.device
+        while not self._drain(waiting, block=not waiting and not batch.rows):
+            live = [j for j in waiting if not j.cancelled.is_set()]
+            new, rest = live[: self.max_batch_size - len(batch.rows)], live[self.max_batch_size - len(batch.rows):]
+            waiting.clear()
+            waiting.extend(rest)
+            now = time.perf_counter()
+            rows = [RunningRow(job, [], *warpers_for(job.settings, gen, device), started=now) for job in new]
+            self._running = [r.job for r in batch.rows] + new
+            try:
+                if rows:
+                    batch.admit(rows)
+                elif batch.rows:
+                    rows = list(batch.rows)
+                    batch.step()
+                else:
+                    continue
+                self.calls += 1
+            except Exception as e:  # noqa: BLE001 - reported to each request in the batch
+                message = f"generation failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                for row in batch.rows + [r for r in rows if r not in batch.rows]:
+                    row.job.deliver(("error", message))
+                batch = RunningBatch(self.model, self.pad_id)
+                continue
+            self._after_pass(batch, rows)
+        for row in batch.rows:
+            row.job.deliver(("error", "the server is stopping"))
+        self._running = []
+
+    def _after_pass(self, batch: RunningBatch, moved: list[RunningRow]) -> None:
+        """Stream the token each row of ``moved`` just got, then answer and drop the rows that are
+        finished (EOS, ``max_tokens``, a stop string) or whose client has gone."""
+        keep = []
+        strategy = self.model.river.strategy.name
+        for row in batch.rows:
+            job, settings = row.job, row.job.settings
+            if row in moved and settings.stream and not job.cancelled.is_set():
+                job.deliver(("tokens", row.ids[-1:]))
+            if job.cancelled.is_set():
+                keep.append(False)
+                continue
+            done = (row.ids[-1] in self.eos_ids or len(row.ids) >= settings.max_tokens
+                    or bool(settings.stop) and self._has_stop(row.ids, settings.stop))
+            if done:
+                ids, finish = self.cut(row.ids, settings)
+                stats = row.stats(batch.num_layers, row.started - job.received)
+                stats["strategy"] = strategy
+                job.deliver(("done", Result(ids, finish, len(settings.prompt_ids), stats)))
+            keep.append(not done)
+        batch.retire(keep)
 
     def _take(self, waiting: collections.deque) -> list[Job]:
         """The next call's requests, removed from ``waiting`` (cancelled ones are dropped)."""
