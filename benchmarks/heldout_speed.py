@@ -23,6 +23,9 @@ each (every row exactly ``--new-tokens``; tokens/s count every row's tokens). Me
 - ``river-onednn``: River (route mode) with its backbone Linears' calls on that same packed copy (the
   plain model shares River's backbone tensors; the exit layers keep their quantized kernels): what
   routing River's one-row backbone products through oneDNN would give, measured before building it;
+- ``river-mkl``: River with ``backbone_kernel="torch"`` for the run: its backbone layers on
+  ``F.linear`` (MKL's one-row product), as before route mode read the packed oneDNN copy, so the
+  pair ``river`` / ``river-mkl`` shows what that kernel buys in one run;
 - ``exit-noprompt``: ``exit`` with every exit Linear's prompt kernel (``RiverConfig.prompt_kernel``,
   off by default: ``--set prompt_kernel=true``) bypassed for the run (``prompt_kernels_off``): its
   prompt pass on the one-row kernels; the same model and decode kernels, so the pair shows what
@@ -69,10 +72,22 @@ from river_hf.bench_harness import (EOS_SUPPRESSED, LlamaCppRunner, available, c
 from river_hf.bench_harness.output import command_line, compare_protocol, write_report
 
 METHODS = ("unmodified", "river", "exit", "exit-noprompt", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16",
-           "unmodified-onednn", "river-onednn", "llama.cpp", "river-fused", "exit-fused", "lossless-fused")
+           "unmodified-onednn", "river-onednn", "llama.cpp", "river-fused", "exit-fused", "lossless-fused", "river-mkl")
 #: what the ``-fused`` methods change: River's own fused exit layers over stacked q/k/v and gate/up products
 #: (a second River model, same kernels chosen by the same rules)
 FUSED = {"exit_layer_impl": "auto", "fuse_projections": True}
+
+
+@contextlib.contextmanager
+def backbone_kernel(model, kernel: str):
+    """Within the block ``model``'s route-mode calls give their backbone layers ``kernel``
+    (``RiverConfig.backbone_kernel``, read at each call)."""
+    old = model.river_config.backbone_kernel
+    model.river_config.backbone_kernel = kernel
+    try:
+        yield
+    finally:
+        model.river_config.backbone_kernel = old
 
 
 def main(argv=None) -> int:
@@ -185,6 +200,7 @@ def main(argv=None) -> int:
                 onednn = method.endswith("-onednn")
                 noprompt = method.endswith("-noprompt")
                 base = method.removesuffix("-bf16").removesuffix("-onednn").removesuffix("-noprompt").removesuffix("-fused")
+                base = base.removesuffix("-mkl")
                 model = (plain16 if bf16 else plain) if base == "unmodified" else (river16 if bf16 else river)
                 if method.endswith("-fused"):
                     model = river_fused
@@ -192,7 +208,8 @@ def main(argv=None) -> int:
                 mode = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(base)
                 with torch.no_grad(), (model.river_mode(mode) if mode else contextlib.nullcontext()), \
                         (packed if onednn else contextlib.nullcontext()), \
-                        (prompt_kernels_off(model) if noprompt else contextlib.nullcontext()):
+                        (prompt_kernels_off(model) if noprompt else contextlib.nullcontext()), \
+                        (backbone_kernel(model, "torch") if method.endswith("-mkl") else contextlib.nullcontext()):
                     timer.reset()
                     out = model.generate(ids, attention_mask=mask, streamer=timer, **gen)
                 new = out[:, ids.shape[1]:].tolist()
@@ -203,6 +220,7 @@ def main(argv=None) -> int:
                     s = model.river_stats
                     m.weight_bytes_per_step = s["weight_bytes_per_token"] * m.decode_tokens / max(m.decode_steps, 1)
                     rows.append({k: s.get(k) for k in ("mode", "mean_exit_layer", "exit_fraction")}
+                                | {"backbone_kernel": (s.get("backbone_kernel") or {}).get("kernel")}
                                 | ({"acceptance_rate": s["lossless"].get("acceptance_rate"),
                                     "draft_cost_steps": s["lossless"].get("draft_cost_steps"),
                                     "verify_cost_steps": s["lossless"].get("verify_cost_steps")}

@@ -402,8 +402,11 @@ def test_dense_mode_choices_share_the_exit_kernels_cache_file(cache, monkeypatch
     KernelTuner().choose_mode(spec, 4, ("torch", "onednn"), measure)  # another row count: its own entry
     entries = read_cache(cache)[0]
     assert sorted(e.get("rows", 1) for e in entries.values()) == [1, 4, 8] and len(measured) == 2
-    with pytest.raises(ValueError, match="rows must be >= 2"):
-        KernelTuner().choose_mode(spec, 1, ("torch", "onednn"), measure)
+    # one row (route mode's backbone kernel): its own entry, trusted when read back
+    assert KernelTuner().choose_mode(spec, 1, ("torch", "onednn"), measure)[0] == "onednn" and len(measured) == 3
+    assert KernelTuner().choose_mode(spec, 1, ("torch", "onednn"), measure)[0] == "onednn" and len(measured) == 3
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        KernelTuner().choose_mode(spec, 0, ("torch", "onednn"), measure)
     with pytest.raises(ValueError, match="not dense modes"):
         KernelTuner().choose_mode(spec, 8, ("torch-int4",), measure)
     # an entry whose timings name weight-only kernels at rows > 1 is not trusted
@@ -417,8 +420,8 @@ def test_dense_mode_choices_share_the_exit_kernels_cache_file(cache, monkeypatch
     monkeypatch.setattr(dense, "measure_modes", lambda names, i, o, rows, **kw: {"torch": 1.0, "onednn": 3.0})
     code, out, _ = run_cli(capsys, "--remeasure", "128x64")
     assert code == 0 and "128x64 x8 rows float32 no bias: torch" in out
-    by_rows = {e.get("rows", 1): e for e in read_cache(cache)[0].values()}
-    assert by_rows[8]["kernel"] == "torch" and by_rows[4]["kernel"] == "torch" and by_rows[1]["kernel"] == "torch-int4"
+    kernels = sorted((e.get("rows", 1), e["kernel"]) for e in read_cache(cache)[0].values())
+    assert kernels == [(1, "torch"), (1, "torch-int4"), (4, "torch"), (8, "torch")]  # the exit kernel's entry kept
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

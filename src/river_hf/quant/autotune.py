@@ -204,10 +204,10 @@ class KernelTuner:
             ``(fastest name, {name: µs per call})``.
 
         Raises:
-            ValueError: ``rows`` < 2, or a candidate that is not a dense mode.
+            ValueError: ``rows`` < 1, or a candidate that is not a dense mode.
         """
-        if rows < 2:
-            raise ValueError(f"rows must be >= 2 for a dense mode choice (one-row calls use choose), got {rows}")
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1 for a dense mode choice, got {rows}")
         bad = [c for c in candidates if c not in DENSE_MODES]
         if bad:
             raise ValueError(f"not dense modes: {bad}; expected some of {sorted(DENSE_MODES)}")

@@ -161,8 +161,9 @@ def _entry_problem(key: str, entry) -> str | None:
     rows = entry.get("rows", 1)
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
         return "field 'rows' is not a positive integer"
-    # rows > 1: an entry of dense modes (lossless verify, ...) or of weight-only kernels (a prompt-kernel choice), not mixed
-    known = DENSE_MODES if rows > 1 and any(k in DENSE_MODES for k in timings) else KERNELS
+    # an entry of dense modes (lossless verify, route mode's backbone at one row, ...) or of weight-only kernels
+    # (an exit Linear's one-row choice, a prompt-kernel choice), not mixed
+    known = DENSE_MODES if any(k in DENSE_MODES for k in timings) else KERNELS
     unknown = sorted(str(k) for k in timings if k not in known)
     if unknown:
         return f"unknown kernel(s) {', '.join(unknown)}"
