@@ -30,7 +30,8 @@ START, END = "<!-- headline:start -->", "<!-- headline:end -->"
 #: What each method of heldout_speed is called on the front page.
 NAMES = {"unmodified": "plain transformers fp32", "unmodified-onednn": "plain fp32 on prepacked oneDNN",
          "river": "**River** (defaults)", "exit": "fully quantized (every layer its exit copy)",
-         "lossless": "**lossless** (the plain model's tokens)", "llama.cpp": "llama.cpp, same GGUF"}
+         "lossless": "**lossless** (the plain model's tokens)", "llama.cpp": "llama.cpp, same GGUF",
+         "river-mkl": "River, backbone layers on F.linear (backbone_kernel torch)"}
 
 
 def result_path(folder: Path, model: str, batch: int) -> Path:
