@@ -47,7 +47,8 @@ class Settings:
         max_tokens: new tokens at most (1..limit).
         do_sample: sample (True) or greedy. temperature, top_p: the sampling settings (None when greedy).
         stop: strings that end the answer (not included in it), at most :data:`MAX_STOPS`.
-        seed: ``torch.manual_seed`` before the call (such a request runs alone), or None.
+        seed: the running batch: the seed of the request's own generator; whole calls:
+            ``torch.manual_seed`` before the call (such a request runs alone); or None.
         stream: answer as server-sent events.
     """
 
