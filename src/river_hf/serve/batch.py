@@ -141,7 +141,6 @@ class RunningRow:
         started: ``time.perf_counter()`` when its prefill began (s). prefill_end: when it ended (s).
         exits: its exit layer in each decode step (0..L; L: it stayed on the backbone).
         batch_sizes: rows in the batch at each of its decode steps.
-        finish: ``"stop"`` or ``"length"`` once finished, else None.
     """
 
     job: object
@@ -152,7 +151,6 @@ class RunningRow:
     prefill_end: float = 0.0
     exits: list[int] = dataclasses.field(default_factory=list)
     batch_sizes: list[int] = dataclasses.field(default_factory=list)
-    finish: str | None = None
 
     def stats(self, num_layers: int, queued_seconds: float) -> dict:
         """The ``river`` key of its completion (the names of
