@@ -45,6 +45,7 @@ from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalizati
 
 from .cache import RiverCache
 from .layer import EXIT_ONLY, ROUTE
+from .rows import position_ids
 
 __all__ = ["HISTORY_FREE", "history_free", "BatchPlan", "generate_batch"]
 
@@ -102,11 +103,6 @@ class _State:
     streamed: int = 0  # new-token columns already put to the streamer
 
 
-def _positions(mask: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Position ids of the last ``tokens`` columns: real positions stay contiguous per row."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)[:, -tokens:]
-
-
 def _pass_mask(state: _State) -> torch.Tensor:
     """The mask a pass sees: a finished row's pending last token counts as padding (so it does not
     hold back the exit decision of the live rows)."""
@@ -139,7 +135,7 @@ def _prompt_pass(model, plan: BatchPlan) -> _State:
     """The prompt on the backbone (lossless mode keeps it there) and the first new token."""
     ids, mask = plan.input_ids, plan.attention_mask.long()
     cache = RiverCache(config=model.config.get_text_config(decoder=True))
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask, ids.shape[1]), cache=cache,
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask, ids.shape[1]), cache=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1].float()
     first = _choose(plan, _scores(plan, logits))
     new = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
@@ -162,7 +158,7 @@ def _draft(model, state: _State, k: int, plan: BatchPlan, call):
         for j in range(k):
             if j:
                 mask = torch.cat([mask, live], -1)
-            logits = model(input_ids=token, attention_mask=mask, position_ids=_positions(mask, 1), cache=state.cache,
+            logits = model(input_ids=token, attention_mask=mask, position_ids=position_ids(mask, 1), cache=state.cache,
                            use_cache=True, logits_to_keep=1).logits[:, -1].float()
             record["draft_exit_layers"].append(model.river.exit_layer)
             scores = _scores(plan, logits)
@@ -184,7 +180,7 @@ def _verify(model, state: _State, drafts: torch.Tensor, plan: BatchPlan) -> torc
     k = drafts.shape[1]
     tokens = torch.cat([state.ids[:, -1:], drafts], -1)
     mask = torch.cat([_pass_mask(state), (~state.done).long()[:, None].expand(-1, k)], -1)
-    logits = model(input_ids=tokens, attention_mask=mask, position_ids=_positions(mask, k + 1), cache=state.cache,
+    logits = model(input_ids=tokens, attention_mask=mask, position_ids=position_ids(mask, k + 1), cache=state.cache,
                    use_cache=True).logits.float()
     return _scores(plan, logits)
 

@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["splittable", "RowsCache", "take_rows", "rows_kwargs"]
+__all__ = ["splittable", "RowsCache", "take_rows", "rows_kwargs", "position_ids"]
 
 _SPLITTABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
@@ -103,3 +103,10 @@ def rows_kwargs(kwargs: dict, rows: torch.Tensor, batch: int, written: dict) -> 
         else:
             out[key] = take_rows(value, rows, batch)
     return out
+
+
+def position_ids(mask: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Position ids ``[batch, tokens]`` (long) of the last ``tokens`` columns of a left-padded
+    batch's 2-D mask ``[batch, length]``: each row's real positions count from 0 (``cumsum - 1``,
+    as ``generate`` computes them); padding positions get 0 (they are never attended to)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -tokens:]

@@ -37,6 +37,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..river.call import GenerateCall
 from ..river.layer import ROUTE
+from ..river.rows import position_ids
 from ..river.verify_kernel import backbone_mode
 
 __all__ = ["RunningRow", "RunningBatch", "unsupported", "join_rows", "keep_rows", "warpers_for",
@@ -123,12 +124,6 @@ def keep_rows(cache: DynamicCache, mask: torch.Tensor, rows: list[int]) -> torch
     return mask
 
 
-def _positions(mask: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Position ids of the last ``tokens`` columns, as ``generate`` computes them from a 2-D mask."""
-    pos = mask.long().cumsum(-1) - 1
-    return pos.masked_fill(mask == 0, 1)[:, -tokens:]
-
-
 @dataclasses.dataclass(eq=False)
 class RunningRow:
     """One request in the running batch.
@@ -199,7 +194,7 @@ class RunningBatch:
         row's exit layer."""
         router = self.model.river
         with torch.no_grad(), router.recording() as log, router.calling(self.call):
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=_positions(mask, input_ids.shape[1]),
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask, input_ids.shape[1]),
                              cache=cache, use_cache=True, logits_to_keep=1)
         exits = log[-1][4] if log else (self.num_layers,) * input_ids.shape[0]
         return out.logits[:, -1, :].float(), exits
