@@ -20,8 +20,8 @@ import torch
 from ..quant.dense import PrepackedLinear, onednn_available
 from .layer import BACKBONE_ONLY
 
-__all__ = ["verify_mode", "backbone_mode", "backbone_hooks", "backbone_step_seconds", "available_memory_bytes", "PACK_MEMORY_SHARE",
-           "PROMPT_TIMED_ROWS", "PROMPT_MAX_ROWS"]
+__all__ = ["verify_mode", "backbone_mode", "backbone_hooks", "backbone_step_seconds", "available_memory_bytes",
+           "PACK_MEMORY_SHARE", "PROMPT_TIMED_ROWS", "PROMPT_MAX_ROWS"]
 
 
 _PACK_LOCK = threading.Lock()
@@ -171,8 +171,8 @@ def backbone_mode(model, choice: str):
     fp32 backbone. A one-row fp32 product through ``F.linear`` (MKL) reads the weights at about
     half the rate oneDNN reaches on a prepacked copy on AMD EPYC (see
     :class:`~river_hf.quant.dense.PrepackedLinear`'s ``min_rows``), and at batch 4 and 8 the plain
-    model on the packed copy decodes 3.1x / 2.4x faster than on ``F.linear``
-    (``docs/results/``). This mode is a view of lossless mode's packed copy
+    model on the packed copy decodes 2.7x / 2.4x faster than on ``F.linear`` there
+    (``docs/results/epyc-zen5-2core/``, ``unmodified-onednn``). This mode is a view of lossless mode's packed copy
     (:func:`verify_mode`, the same memory rule; no second copy when both modes are used) that also
     takes one-row calls. ``choice`` is ``RiverConfig.backbone_kernel``:
 
