@@ -241,6 +241,8 @@ def main(argv=None) -> int:
         "threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count(),
         "river_config": river.river_config.to_dict(), "overrides": overrides,
         "kernel_choice": river.river_config.kernel_choice,
+        # per exit shape: the kernel, every candidate's cold one-token time (µs), the error on the real weights
+        "river_kernels": river.river_kernels(),
         "kernel_choice_bf16": river16.river_config.kernel_choice if river16 is not None else None,
         "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "gguf": llm.weight_bytes if llm else None},
         "onednn_packed_bytes": packed.packed_bytes if packed is not None else None, "onednn_copy": packed_note,

@@ -52,10 +52,11 @@ PROMPT = ('def separate_paren_groups(paren_string: str) -> list[str]:\n    """In
 MODES = ("unmodified", "river", "exit", "lossless")
 
 
-def run_mode(model, plain, mode: str, new_tokens: int):
-    """What one greedy generate call of ``mode`` needs: (the model, the mode's context, generate
-    keyword arguments: exactly ``new_tokens`` new tokens)."""
-    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+def run_mode(model, plain, mode: str, gen: dict):
+    """What one greedy generate call of ``mode`` needs: (the model, the mode's context, ``gen``: the
+    generate keyword arguments of exactly the new tokens asked, EOS suppressed by
+    ``bench_harness.SuppressIds``, as the speed benchmarks do; ``min_new_tokens`` would add
+    transformers' per-step vocabulary scan to every mode)."""
     if mode == "unmodified":
         return plain, contextlib.nullcontext(), gen
     if mode == "river":
@@ -72,7 +73,7 @@ def lossless_settings(model, draft_tokens: int):
                                                                                 model.river_config.max_draft_tokens))
 
 
-def profile(model, plain, inputs: dict, new_tokens: int, repeats: int, draft_tokens: int) -> dict:
+def profile(model, plain, inputs: dict, gen: dict, repeats: int, draft_tokens: int) -> dict:
     from river_hf.timing import measure_generate
 
     saved = model.river_config
@@ -83,7 +84,7 @@ def profile(model, plain, inputs: dict, new_tokens: int, repeats: int, draft_tok
         model.river_config = lossless_settings(model, draft_tokens)
         for r in range(repeats + 1):  # round 0: warm-up, not kept
             for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                m, ctx, gen = run_mode(model, plain, mode, new_tokens)
+                m, ctx, gen = run_mode(model, plain, mode, gen)
                 with ctx:
                     bare = measure_generate(m, inputs, **gen)
                     with StepProfiler(m) as prof:
@@ -114,7 +115,7 @@ def profile(model, plain, inputs: dict, new_tokens: int, repeats: int, draft_tok
     return out
 
 
-def fusion(model, plain, inputs: dict, new_tokens: int, repeats: int) -> dict:
+def fusion(model, plain, inputs: dict, gen: dict, repeats: int) -> dict:
     """Decode tokens/s of ``exit`` and ``river`` with fused and unfused exit layers (see the module
     docstring)."""
     from river_hf.quant import KernelPlan, default_tuner
@@ -134,8 +135,6 @@ def fusion(model, plain, inputs: dict, new_tokens: int, repeats: int) -> dict:
     def use(fuse: bool):
         for layer, exit_layer in zip(layers, sets[fuse]):
             layer.exit_layer = exit_layer
-
-    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
     def run(mode: str, fuse: bool):
         use(fuse)
@@ -230,6 +229,9 @@ def main(argv=None) -> int:
     plain = plain_model(model)
     tok = AutoTokenizer.from_pretrained(folder)
     inputs = dict(tok(PROMPT, return_tensors="pt"))
+    from river_hf.bench_harness.generation import exact_generation
+
+    gen, _ = exact_generation(tok, model, args.new_tokens)
     report = {"model": args.model, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "draft_tokens": args.draft_tokens, "threads": torch.get_num_threads(),
               "river_config": {k: v for k, v in model.river_config.to_dict().items() if k != "kernel_choice"},
@@ -237,9 +239,9 @@ def main(argv=None) -> int:
               "torch": torch.__version__}
     with torch.no_grad():
         if not args.no_profile:
-            report["profile"] = profile(model, plain, inputs, args.new_tokens, args.repeats, args.draft_tokens)
+            report["profile"] = profile(model, plain, inputs, gen, args.repeats, args.draft_tokens)
         if args.fusion:
-            report["fusion"] = fusion(model, plain, inputs, args.new_tokens, args.repeats)
+            report["fusion"] = fusion(model, plain, inputs, gen, args.repeats)
     report["load_after"] = load_average()
     out = Path(args.out or Path(__file__).resolve().parent.parent / "docs" / "results" / f"step_profile_{args.model}.json")
     from river_hf.files import write_json

@@ -1,4 +1,5 @@
-"""The kernels of other libraries (onnxruntime MatMulNBits, torch fbgemm dynamic int8, ARK woqgemm):
+"""The kernels of other libraries (onnxruntime MatMulNBits, torch fbgemm dynamic int8, ARK woqgemm) and
+river-hf's own compiled one (river-int4, AVX-512 VNNI):
 their products, River's exactness with them, the fully quantized mode, and their saved choice.
 
 Tiny random models; nothing timed. A test of a kernel whose library is not installed here is
@@ -22,10 +23,12 @@ from river_hf.quant import BACKENDS, KERNELS, KernelTuner, autotune, get_backend
 from river_hf.quant import external
 from river_hf.quant import kernels as kernels_module
 from river_hf.quant.kernels import relative_error
+from river_hf.quant.modules import int4_grid
 from river_hf.river import exit_modules
 
-NEW = ["ort-int4", "ort-int4-g32", "ort-int8", "torch-dyn-int8", "ark-int4", "ark-int8"]
-LIBRARY = {"ort": "onnxruntime", "ark": "auto-round-lib", "torch": "torch's fbgemm quantized engine"}
+NEW = ["ort-int4", "ort-int4-g32", "ort-int8", "torch-dyn-int8", "ark-int4", "ark-int8", "river-int4"]
+LIBRARY = {"ort": "onnxruntime", "ark": "auto-round-lib", "torch": "torch's fbgemm quantized engine",
+           "river": "an AVX-512 VNNI CPU and gcc"}
 
 
 def need(name: str):
@@ -59,6 +62,9 @@ def grid_weight(name: str, linear: nn.Linear) -> torch.Tensor:
     w = linear.weight.detach().float()
     n, k = w.shape
     kernel = KERNELS[name]
+    if name == "river-int4":  # torch-int4's grid
+        q, scale, zero, g = int4_grid(w, kernel.group_size)
+        return ((q.float() - 8).reshape(n, k // g, g) * scale[..., None] + zero[..., None]).reshape(n, k)
     if kernel.bits == 4:
         g = external.block_size_for(k, kernel.group_size)
         q, s, zp = external._asymmetric_int4(w, g)
@@ -95,7 +101,7 @@ def test_new_kernel_matches_dense_within_its_width(name, bias):
     assert torch.equal(q(x), y)  # deterministic
 
 
-@pytest.mark.parametrize("name", ["ort-int4", "ort-int4-g32", "ark-int4"])
+@pytest.mark.parametrize("name", ["ort-int4", "ort-int4-g32", "ark-int4", "river-int4"])
 def test_int4_kernels_pack_an_odd_number_of_blocks(name):
     kernel = need(name)
     torch.manual_seed(0)
@@ -122,7 +128,7 @@ def test_new_kernel_keeps_the_dtype_at_its_boundary_and_takes_empty_batches(name
     assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name", ["ort-int4", "torch-dyn-int8", "ark-int4"])
+@pytest.mark.parametrize("name", ["ort-int4", "torch-dyn-int8", "ark-int4", "river-int4"])
 def test_a_deep_copy_computes_the_same(name):
     kernel = need(name)
     q = kernel.build(nn.Linear(128, 32))
@@ -187,7 +193,7 @@ def test_fully_quantized_mode_runs_on_each_new_kernel(name):
 
 def test_the_measured_choices_include_the_available_new_kernels_but_not_onnxruntime():
     linear = nn.Linear(256, 128)
-    for choice, names in (("int4", ("ark-int4",)), ("int8", ("torch-dyn-int8", "ark-int8")), ("int4-g32", ())):
+    for choice, names in (("int4", ("ark-int4", "river-int4")), ("int8", ("torch-dyn-int8", "ark-int8")), ("int4-g32", ())):
         usable = {k.name for k in get_backend(choice).usable(linear)}
         assert usable >= {n for n in names if KERNELS[n].available("cpu")}
         assert usable <= {k.name for k in BACKENDS[choice].candidates}

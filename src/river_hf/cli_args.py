@@ -39,7 +39,8 @@ EXIT_LAYER_IMPLS = ("architecture", "fused", "auto")
 BACKBONE_KERNELS = ("auto", "onednn", "torch")
 #: kernel choices the CLI offers for --backend / --exit-head (river_hf.quant.BACKENDS), without importing torch.
 KERNEL_CHOICES = ("int8", "int4", "int4-g32", "torch-int8", "torch-int4", "torch-int4-g32", "quanto-int8", "quanto-int4",
-                  "ort-int4", "ort-int4-g32", "ort-int8", "torch-dyn-int8", "ark-int4", "ark-int8", "quanto", "copy")
+                  "ort-int4", "ort-int4-g32", "ort-int8", "torch-dyn-int8", "ark-int4", "ark-int8", "river-int4", "quanto",
+                  "copy")
 
 
 def add_river_arguments(p, *, min_layer: bool = True) -> None:

@@ -36,13 +36,12 @@ CATEGORIES = ("backbone products", "exit products", "head", "attention", "norms/
 
 
 def linear_like(module: nn.Module) -> bool:
-    """A weight product module: a Linear or one of river-hf's built copies of one."""
-    from ..quant import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
-    from ..quant.external import ArkWoqLinear, DynamicInt8Linear, OrtMatMulNBitsLinear
+    """A weight product module: a Linear or one of river-hf's built copies of one (every module a
+    registered kernel builds is a ``KernelModule``; quanto's ``QLinear`` by name)."""
     from ..quant.fused import FusedProjection, ProjectionSlice
+    from ..quant.registry import KernelModule
 
-    return isinstance(module, (nn.Linear, CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, FusedProjection,
-                               ProjectionSlice, ArkWoqLinear, DynamicInt8Linear, OrtMatMulNBitsLinear)) \
+    return isinstance(module, (nn.Linear, KernelModule, FusedProjection, ProjectionSlice)) \
         or type(module).__name__.startswith("QLinear")
 
 

@@ -30,6 +30,10 @@ Kernels (``KERNELS``):
     ``ark-int4`` / ``ark-int8``: Intel ARK ``woqgemm`` (auto-round-lib), 4-bit asymmetric groups of
         128 (64, 32) / 8-bit per channel, int8 compute (:class:`~river_hf.quant.external.ArkWoqLinear`).
         Needs auto-round-lib.
+    ``river-int4``: river-hf's own product for AVX-512 VNNI CPUs (:mod:`~river_hf.quant.river_int4`):
+        torch-int4's grid, activations quantized to int8 per group of 128, integer dot products
+        (``vpdpbusd``), fp32 out. Compiled once per torch version with gcc; unavailable without
+        the CPU features or a compiler.
     ``copy``: an unquantized copy in the model's dtype: exit layers then compute exactly what the
         backbone computes, the reference for testing the routing itself.
 
@@ -74,7 +78,9 @@ from .choice import PROMPT_KERNELS, PROMPT_MIN_ROWS, PROMPT_ROWS, KernelChoice, 
 from .external import ArkWoqLinear, DynamicInt8Linear, OrtMatMulNBitsLinear, ark_works, dynamic_int8_works, ort_works
 from .modules import (CastLinear, CastMemo, Int4WeightOnlyLinear, Int8WeightOnlyLinear, PromptRowsLinear,  # noqa: F401
                       fast_kernel_fraction, kernel_name, linear_weight_bytes, relative_error)
+from . import river_int4
 from .registry import KERNELS, KernelModule, WeightOnlyKernel, register
+from .river_int4 import RiverInt4Linear
 
 __all__ = [
     "WeightOnlyKernel",
@@ -103,6 +109,7 @@ __all__ = [
     "OrtKernel",
     "DynamicInt8Kernel",
     "ArkKernel",
+    "RiverInt4Kernel",
     "CopyKernel",
 ]
 
@@ -213,6 +220,23 @@ class DynamicInt8Kernel(_CpuLibraryKernel):
 
 
 @dataclasses.dataclass(frozen=True)
+class RiverInt4Kernel(_CpuLibraryKernel):
+    """``river-int4``: river-hf's own AVX-512 VNNI product on torch-int4's grid, int8 activations
+    (:class:`~river_hf.quant.river_int4.RiverInt4Linear`); ``out_features`` divisible by 16."""
+
+    needs = "an x86-64 CPU with AVX-512 VNNI and a C++ compiler (gcc) for its one-time build, on Linux"
+
+    def works(self) -> bool:
+        return river_int4.works()
+
+    def supports(self, linear: nn.Linear) -> bool:
+        return RiverInt4Linear.supports(linear)
+
+    def module(self, linear: nn.Linear) -> KernelModule:
+        return RiverInt4Linear(linear, self.group_size or 128)
+
+
+@dataclasses.dataclass(frozen=True)
 class ArkKernel(_CpuLibraryKernel):
     """``ark-int4`` / ``ark-int8``: Intel ARK ``woqgemm`` (:class:`~river_hf.quant.external.ArkWoqLinear`);
     8-bit packs every shape."""
@@ -298,6 +322,7 @@ for _kernel in (
     OrtKernel("ort-int8", 8, torch.float32, group_size=128),
     DynamicInt8Kernel("torch-dyn-int8", 8, torch.float32),
     ArkKernel("ark-int4", 4, torch.float32, group_size=128),
+    RiverInt4Kernel("river-int4", 4, torch.float32, group_size=128),
     ArkKernel("ark-int8", 8, torch.float32),
     CopyKernel("copy", 16, None),
 ):
@@ -308,7 +333,7 @@ del _kernel
 #: the fixed-kernel names, and the two measured choices. ``quanto`` is the old name of ``quanto-int4``.
 BACKENDS: dict[str, KernelChoice] = {
     "int8": KernelChoice("int8", tuple(KERNELS[k] for k in ("torch-int8", "torch-dyn-int8", "ark-int8", "quanto-int8"))),
-    "int4": KernelChoice("int4", tuple(KERNELS[k] for k in ("torch-int4", "ark-int4", "quanto-int4"))),
+    "int4": KernelChoice("int4", tuple(KERNELS[k] for k in ("torch-int4", "river-int4", "ark-int4", "quanto-int4"))),
     "int4-g32": KernelChoice("int4-g32", (KERNELS["torch-int4-g32"],)),
     **{name: KernelChoice(name, (k,)) for name, k in KERNELS.items()},
     "quanto": KernelChoice("quanto", (KERNELS["quanto-int4"],)),

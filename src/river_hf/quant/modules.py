@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import RiverError
 from .registry import KernelModule, kernel_name, linear_weight_bytes
 
-__all__ = ["CastMemo", "CastLinear", "Int8WeightOnlyLinear", "Int4WeightOnlyLinear", "PromptRowsLinear", "relative_error",
+__all__ = ["CastMemo", "CastLinear", "Int8WeightOnlyLinear", "Int4WeightOnlyLinear", "int4_grid", "PromptRowsLinear", "relative_error",
            "kernel_name", "linear_weight_bytes", "fast_kernel_fraction", "KernelModule"]
 
 
@@ -134,6 +134,28 @@ def _int4_group_size(in_features: int, largest: int = 128) -> int | None:
     return None
 
 
+def int4_grid(weight: torch.Tensor, group_size: int = 128):
+    """torch-int4's grid of ``weight [out, in]`` (float): groups of ``g`` input channels (the largest of
+    128, 64, 32 dividing ``in``, at most ``group_size``), ``q = round((W - min) / scale)`` in [0, 15],
+    ``scale = (max - min) / 15`` (at least 1e-8), ``W ~= (q - 8) * scale + zero`` with
+    ``zero = min + 8 * scale`` (tinygemm's layout). Returns ``(q int32 [out, in], scale [out, in / g],
+    zero [out, in / g], g)``, float32 like ``weight``.
+
+    Raises:
+        RiverError: ``in`` is not divisible by 32.
+    """
+    n, k = weight.shape
+    g = _int4_group_size(k, group_size)
+    if g is None:
+        raise RiverError(f"a 4-bit grid needs in_features divisible by 32, got {k}")
+    w = weight.reshape(n, k // g, g)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+    q = torch.round((w - lo) / scale).clamp(0, 15).reshape(n, k).to(torch.int32)
+    zero = lo + 8.0 * scale
+    return q, scale.reshape(n, k // g), zero.reshape(n, k // g), g
+
+
 class Int4WeightOnlyLinear(KernelModule):
     """``y = x @ W4.T + b`` with asymmetric 4-bit weights per group of ``group_size`` input
     channels, on torch's tinygemm int4 kernel (``torch._weight_int4pack_mm_for_cpu`` on CPU).
@@ -150,14 +172,9 @@ class Int4WeightOnlyLinear(KernelModule):
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16, group_size: int = 128):
         super().__init__()
         n, k = linear.out_features, linear.in_features
-        g = _int4_group_size(k, group_size)
-        if g is None or n % 16:
+        if _int4_group_size(k, group_size) is None or n % 16:
             raise RiverError(f"torch-int4 needs in_features divisible by 32 and out_features by 16, got {k}x{n}")
-        w = linear.weight.detach().float().reshape(n, k // g, g)
-        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-        q = torch.round((w - lo) / scale).clamp(0, 15).reshape(n, k).to(torch.int32)
-        zero = lo + 8.0 * scale
+        q, scale, zero, g = int4_grid(linear.weight.detach().float(), group_size)
         device = linear.weight.device
         self.in_features, self.out_features, self.group_size = k, n, g
         self.compute_dtype = compute_dtype
@@ -165,7 +182,7 @@ class Int4WeightOnlyLinear(KernelModule):
             packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
         else:  # pragma: no cover - needs a GPU
             packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 2)
-        sz = torch.stack([scale.reshape(n, k // g).t(), zero.reshape(n, k // g).t()], dim=-1)
+        sz = torch.stack([scale.t(), zero.t()], dim=-1)
         self.register_buffer("weight_packed", packed)
         self.register_buffer("scale_zeros", sz.to(compute_dtype).contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())

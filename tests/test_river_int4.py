@@ -1,0 +1,109 @@
+"""river-int4, river-hf's own AVX-512 VNNI 4-bit product (quant/river_int4.py, csrc/int4_vnni.cpp):
+its packing and row blocking against torch-int4 on the same grid, its availability switch, and the
+fused exit layer over it. Tiny shapes and random models; nothing timed. Skipped (with the reason) on a
+CPU without AVX-512 VNNI or without a compiler; the kernels shared with other libraries are covered by
+tests/test_quant_kernels_extra.py too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from river_hf.errors import RiverError
+from river_hf.quant import KERNELS, get_backend, river_int4
+from river_hf.quant.modules import Int4WeightOnlyLinear, int4_grid
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not river_int4.works():
+        pytest.skip(f"river-int4 not available here: {river_int4.unavailable_reason()}")
+    return KERNELS["river-int4"]
+
+
+def grid_product(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``x`` times ``linear``'s weights on torch-int4's grid, in float64 (the reference)."""
+    q, scale, zero, g = int4_grid(linear.weight.detach().float())
+    n, k = q.shape
+    w = ((q.double() - 8).reshape(n, k // g, g) * scale.double()[..., None] + zero.double()[..., None]).reshape(n, k)
+    out = x.double() @ w.T
+    return out + linear.bias.double() if linear.bias is not None else out
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("shape", [(256, 48), (96, 32), (4864 // 8, 112)])
+def test_every_row_block_matches_the_grid_product(kernel, rows, shape):
+    # rows go through the kernel in blocks of 4 (1-4, then a remainder); in_features 96 = groups of 32
+    k, n = shape
+    torch.manual_seed(rows)
+    linear = nn.Linear(k, n)
+    q = kernel.build(linear)
+    x = torch.randn(rows, k)
+    with torch.no_grad():
+        y, ref = q(x), grid_product(linear, x)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    # what int8 activations add to the grid's product: about 0.7 % on random data; a wrong nibble
+    # order, block layout or correction term is off by 30 % or more
+    assert float((y.double() - ref).norm() / ref.norm()) < 0.02
+    # each row is what it is alone (no row leaks into another's block)
+    for r in range(rows):
+        assert torch.allclose(q(x[r:r + 1])[0], y[r], rtol=0, atol=1e-5)
+
+
+def test_it_quantizes_like_torch_int4(kernel):
+    torch.manual_seed(0)
+    linear = nn.Linear(512, 256, bias=False)
+    ours, tinygemm = kernel.build(linear), Int4WeightOnlyLinear(linear)
+    x = torch.randn(4, 512)
+    a, b = ours(x), tinygemm(x)
+    # same grid: the two differ by their activation rounding (int8 per group against bf16), not by the weights
+    assert float((a - b).norm() / b.norm()) < 0.02
+    assert ours.weight_nbytes() < 512 * 256 * 0.6  # 4 bits a weight, plus fp32 scale, zero and correction per 128
+
+
+def test_bf16_and_3d_inputs_keep_their_dtype_and_shape(kernel):
+    linear = nn.Linear(128, 64).to(torch.bfloat16)
+    q = kernel.build(linear)
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    y = q(x)
+    assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16
+    assert torch.isfinite(y.float()).all()
+
+
+def test_shapes_it_cannot_pack_are_refused(kernel):
+    assert not kernel.supports(nn.Linear(128, 40))  # out_features not a multiple of 16
+    assert not kernel.supports(nn.Linear(100, 32))  # in_features not a multiple of 32
+    with pytest.raises(RiverError, match="divisible"):
+        river_int4.RiverInt4Linear(nn.Linear(128, 40))
+
+
+def test_the_switch_takes_it_out_of_the_measured_choice(kernel, monkeypatch):
+    linear = nn.Linear(256, 128)
+    assert "river-int4" in {k.name for k in get_backend("int4").usable(linear)}
+    monkeypatch.setenv("RIVER_HF_NO_EXTENSIONS", "1")
+    assert not river_int4.works() and river_int4.unavailable_reason() == "RIVER_HF_NO_EXTENSIONS=1"
+    assert "river-int4" not in {k.name for k in get_backend("int4").usable(linear)}
+    with pytest.raises(RiverError, match="river-int4"):
+        get_backend("river-int4").usable(linear)
+
+
+def test_fused_exit_layers_over_it_pass_their_build_check_and_tau_above_one_is_exact(kernel, tiny_llama):
+    from river_hf import enable_river
+    from river_hf.river.fused_layer import FusedExitLayer
+    from river_hf.river.layer import RiverLayer
+
+    model = tiny_llama()
+    ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(2))
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False)
+    river = enable_river(model, backend="river-int4", exit_head="river-int4", tau=2.0, exit_layer_impl="fused")
+    layers = [m for m in river.modules() if isinstance(m, RiverLayer)]
+    assert all(isinstance(layer.exit_layer, FusedExitLayer) and layer.exit_layer.check_error <= 1e-3
+               for layer in layers)
+    assert torch.equal(river.generate(ids, max_new_tokens=8, do_sample=False), plain)
+    with river.river_mode("exit"):
+        out = river.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape == plain.shape
+    groups = river.river_kernels()
+    assert groups and {g["kernel"] for g in groups} == {"river-int4"}
+    assert {g["where"] for g in groups} == {"exit layers", "exit head"}
