@@ -1,6 +1,6 @@
 """river-int4, river-hf's own AVX-512 VNNI 4-bit product (quant/river_int4.py, csrc/int4_vnni.cpp):
 its packing and row blocking against torch-int4 on the same grid, its availability switch, and the
-fused exit layer over it. Tiny shapes and random models; nothing timed. Skipped (with the reason) on a
+fused exit layer over it (its elementwise work inside the products' calls). Tiny shapes and random models; nothing timed. Skipped (with the reason) on a
 CPU without AVX-512 VNNI or without a compiler; the kernels shared with other libraries are covered by
 tests/test_quant_kernels_extra.py too."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from river_hf import RiverConfig
 from river_hf.errors import RiverError
 from river_hf.quant import KERNELS, get_backend, river_int4
 from river_hf.quant.modules import Int4WeightOnlyLinear, int4_grid
@@ -88,7 +89,27 @@ def test_the_switch_takes_it_out_of_the_measured_choice(kernel, monkeypatch):
         get_backend("river-int4").usable(linear)
 
 
-def test_fused_exit_layers_over_it_pass_their_build_check_and_tau_above_one_is_exact(kernel, tiny_llama):
+def test_its_fused_calls_are_the_separate_ops(kernel):
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 64)
+    q = kernel.build(linear)
+    x, w, residual = torch.randn(3, 256), torch.rand(256) + 0.5, torch.randn(3, 64)
+    with torch.no_grad():
+        # torch's own ops, called from C++: bit for bit what the separate calls give (the int8 rounding
+        # of the activations would turn any other rounding of the input into whole int8 steps)
+        assert torch.equal(q.fused(x, w, 1e-6), q(F.rms_norm(x, (256,), w, 1e-6)))
+        gu = torch.randn(3, 512)
+        assert torch.equal(q.fused(gu, silu_mul=True), q(F.silu(gu[:, :256]) * gu[:, 256:]))
+        assert torch.equal(q.fused(x, residual=residual), residual + q(x))
+        both = residual + q(F.rms_norm(F.silu(gu[:, :256]) * gu[:, 256:], (256,), w, 1e-5))
+        assert torch.equal(q.fused(gu, w, 1e-5, True, residual), both)
+
+
+@pytest.mark.parametrize("fuse_projections", [False, True])
+def test_fused_exit_layers_over_it_pass_their_build_check_and_tau_above_one_is_exact(kernel, tiny_llama,
+                                                                                      fuse_projections):
     from river_hf import enable_river
     from river_hf.river.fused_layer import FusedExitLayer
     from river_hf.river.layer import RiverLayer
@@ -96,10 +117,14 @@ def test_fused_exit_layers_over_it_pass_their_build_check_and_tau_above_one_is_e
     model = tiny_llama()
     ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(2))
     plain = model.generate(ids, max_new_tokens=8, do_sample=False)
-    river = enable_river(model, backend="river-int4", exit_head="river-int4", tau=2.0, exit_layer_impl="fused")
+    config = RiverConfig(tau=2.0, backend="river-int4", exit_head="river-int4", exit_layer_impl="fused",
+                         fuse_projections=fuse_projections)
+    river = enable_river(model, config=config)
     layers = [m for m in river.modules() if isinstance(m, RiverLayer)]
     assert all(isinstance(layer.exit_layer, FusedExitLayer) and layer.exit_layer.check_error <= 1e-3
                for layer in layers)
+    # stacked q/k/v and gate/up on river-int4: norms, adds and silu * up inside the products' calls
+    assert all(layer.exit_layer.int4_calls == fuse_projections for layer in layers)
     assert torch.equal(river.generate(ids, max_new_tokens=8, do_sample=False), plain)
     with river.river_mode("exit"):
         out = river.generate(ids, max_new_tokens=8, do_sample=False)
@@ -107,3 +132,26 @@ def test_fused_exit_layers_over_it_pass_their_build_check_and_tau_above_one_is_e
     groups = river.river_kernels()
     assert groups and {g["kernel"] for g in groups} == {"river-int4"}
     assert {g["where"] for g in groups} == {"exit layers", "exit head"}
+
+
+def test_the_layer_with_int4_calls_computes_what_it_computes_without(kernel, tiny_llama):
+    """The same fused layer, its products' calls with the norms, adds and silu * up inside, and
+    with them as separate torch ops: the same logits bit for bit, exit mode, prompt and steps."""
+    from river_hf import enable_river
+    from river_hf.river.layer import RiverLayer
+
+    config = RiverConfig(backend="river-int4", exit_head="river-int4", exit_layer_impl="fused", fuse_projections=True)
+    river = enable_river(tiny_llama(), config=config)
+    layers = [m.exit_layer for m in river.modules() if isinstance(m, RiverLayer)]
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+
+    def logits(int4_calls: bool):
+        for layer in layers:
+            layer.int4_calls = int4_calls
+        with river.river_mode("exit"), torch.no_grad():
+            out = river.generate(ids, max_new_tokens=4, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)
+        return out.sequences, torch.stack(out.scores)
+
+    (seq_a, a), (seq_b, b) = logits(True), logits(False)
+    assert torch.equal(seq_a, seq_b) and torch.equal(a, b)

@@ -174,9 +174,28 @@ class RiverInt4Linear(KernelModule):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
-        y = module.mm(x2, self.packed, self.scales, self.zeros, self.corr, self.bias, self.group_size)
+        y = module.mm(x2, self.packed, self.scales, self.zeros, self.corr, self.bias, self.group_size, None, 0.0,
+                      False, None)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def fused(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+              silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """One call for a product and the elementwise work around it, as a fused exit layer needs it
+        (float32; :class:`~river_hf.river.fused_llama.FusedLlamaLayer`), each piece by torch's own op
+        called from C++, so the numbers are the separate ops' bit for bit (the int8 rounding of the
+        activations would turn any other rounding of the input into whole int8 steps):
+
+        - ``silu_mul``: ``x [rows, 2 * in]`` is ``[gate | up]``; the product's input is
+          ``silu(gate) * up``;
+        - ``norm_weight [in]``: then ``torch.nn.functional.rms_norm`` of each row with ``eps`` (what
+          transformers' Llama / Qwen2 RMSNorm computes in fp32);
+        - ``residual [rows, out]``: ``residual + product`` (the product with its bias).
+
+        ``x [rows, in]`` (``[rows, 2 * in]`` with ``silu_mul``) float32 -> ``[rows, out]`` float32."""
+        module, _ = _extension()
+        return module.mm(x, self.packed, self.scales, self.zeros, self.corr, self.bias, self.group_size, norm_weight,
+                         float(eps), silu_mul, residual)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"

@@ -29,6 +29,12 @@ computes that on the exit copy's own kernel modules with few, big calls:
   ``CastLinear``), its output folded into the next op that needs fp32 (the residual add, the
   rotary multiply), which gives the same numbers as the kernel's own cast back.
 
+When every product is one :class:`~river_hf.quant.river_int4.RiverInt4Linear` (river-int4, q/k/v and
+gate/up stacked) in an fp32 model, the elementwise work goes into the products' own calls
+(``RiverInt4Linear.fused``): the input norm into the q/k/v call, the residual add into the o call, the
+second norm into the gate/up call, ``silu(gate) * up`` and the last residual add into the down call;
+what is left in Python per layer is rotary, the cache update and SDPA.
+
 The attention implementations served are ``sdpa`` and ``eager`` (their masks are tensors SDPA
 takes as they are; eager with no mask attends to every key, as eager does); another one
 (flash, flex) makes the call run the architecture copy.
@@ -45,6 +51,7 @@ from torch import nn
 from ..compat import attn_implementation
 from ..quant.fused import FUSED_NAMES, GROUPS
 from ..quant.modules import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from ..quant.river_int4 import RiverInt4Linear
 from .fused_layer import ExitLayerFamily, FusedExitLayer, register_family
 
 __all__ = ["LlamaFamily", "FusedLlamaLayer", "LLAMA_FAMILY", "step_tables"]
@@ -151,6 +158,9 @@ class FusedLlamaLayer(FusedExitLayer):
                                   for k, mods in kernels.items()}
         self.__dict__["norms"] = (exit_copy.input_layernorm, exit_copy.post_attention_layernorm)
         self.qk_size = (self.heads + self.kv_heads) * d
+        # every product one river-int4 module (q/k/v and gate/up stacked): the norms, the residual adds
+        # and silu(gate) * up go into the products' own calls (RiverInt4Linear.fused), in fp32 models
+        self.int4_calls = all(len(mods) == 1 and isinstance(mods[0], RiverInt4Linear) for mods in kernels.values())
 
     def _product(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """The product(s) ``key`` of ``x`` (concatenated when separate), in the kernel's compute dtype
@@ -183,9 +193,16 @@ class FusedLlamaLayer(FusedExitLayer):
         d, heads, kv = self.head_dim, self.heads, self.kv_heads
         dtype = hidden_states.dtype
         cos4, sin4 = step_tables(*position_embeddings)
+        calls = self.int4_calls and dtype == torch.float32
+        if calls:
+            rows = hidden_states.reshape(batch * tokens, self.hidden)
+            norm = self.norms[0]
+            qkv = self.kernels["qkv"][0].fused(rows, norm.weight, norm.variance_epsilon)
+        else:
+            qkv = self._product("qkv", self._norm(0, hidden_states))
 
         # attention: one product, rotary on q and k at once, K/V into the shared cache slot
-        qkv = self._product("qkv", self._norm(0, hidden_states)).view(batch, tokens, heads + 2 * kv, d).transpose(1, 2)
+        qkv = qkv.view(batch, tokens, heads + 2 * kv, d).transpose(1, 2)
         qk, values = qkv.split((heads + kv, kv), dim=1)  # [batch, heads, tokens, head_dim] views
         # the model's dtype (cos4's); not addcmul: its fused multiply-add rounds differently from the
         # architecture's q * cos + rotate_half(q) * sin, and bf16 re-rounding can amplify that
@@ -205,6 +222,11 @@ class FusedLlamaLayer(FusedExitLayer):
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scaling,
                                               is_causal=causal, enable_gqa=self.rep > 1)
         attn = attn.transpose(1, 2).reshape(batch, tokens, heads * d)
+        if calls:  # h = x + o(attn); gate/up of norm(h); h + down(silu(gate) * up): three calls
+            h = self.kernels["o"][0].fused(attn.reshape(batch * tokens, heads * d), residual=rows)
+            norm = self.norms[1]
+            gu = self.kernels["gu"][0].fused(h, norm.weight, norm.variance_epsilon)
+            return self.kernels["down"][0].fused(gu, silu_mul=True, residual=h).view(batch, tokens, self.hidden)
         hidden_states = hidden_states + self._product("o", attn)  # one add, in the model's dtype
 
         # MLP: one gate/up product, silu(gate) * up in the model's dtype

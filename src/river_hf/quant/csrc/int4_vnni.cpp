@@ -141,14 +141,24 @@ inline void block_rows(const Block& blk, const Rows& r) {
 }
 
 // scales, zeros: float [N / 16, K / G, 16]; corr: int32 [N / 16, K / G, 16] = 128 * sum over the group of q - 8
+// With ``silu_mul``: x is [M, 2K] = [gate | up] and the product's input is silu(gate) * up; with ``norm``
+// (float [K]): the input is RMS-normalized first (eps ``eps``); with ``residual`` (float [M, N]): it is
+// added to the output. Each by torch's own op (at::silu, at::mul, at::rms_norm, add_), called from here
+// instead of from Python: the same numbers as the architecture's code, bit for bit. That matters: the
+// activations are then rounded to int8, where an input one float rounding away can land one int8 step
+// off, which moves a layer's update by about 1e-3 relative.
 torch::Tensor mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
-                 torch::Tensor corr, c10::optional<torch::Tensor> bias, int64_t group) {
+                 torch::Tensor corr, c10::optional<torch::Tensor> bias, int64_t group,
+                 c10::optional<torch::Tensor> norm, double eps, bool silu_mul, c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2, "river_int4_mm: x must be [M, K]");
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = packed.size(1) * 8;
   const int64_t NB = packed.size(0);
   const int64_t N = NB * kLanes, G = group, groups = K / G;
-  TORCH_CHECK(packed.size(1) * 8 == K && K % G == 0 && G % 16 == 0, "river_int4_mm: shapes do not match");
-  auto xf = x.scalar_type() == torch::kFloat ? x.contiguous() : x.to(torch::kFloat).contiguous();
+  TORCH_CHECK(x.size(1) == (silu_mul ? 2 * K : K) && K % G == 0 && G % 16 == 0, "river_int4_mm: shapes do not match");
+  torch::Tensor xf = x.scalar_type() == torch::kFloat ? x : x.to(torch::kFloat);
+  if (silu_mul) xf = at::mul(at::silu(xf.narrow(1, 0, K)), xf.narrow(1, K, K));
+  if (norm.has_value()) xf = at::rms_norm(xf, {K}, *norm, eps);
+  xf = xf.contiguous();
   auto qx = torch::empty({M, K}, torch::kUInt8);
   auto xs = torch::empty({M, groups}, torch::kFloat);
   auto xsum = torch::empty({M, groups}, torch::kFloat);
@@ -179,6 +189,10 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, to
         }
       }
   });
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->numel() == M * N, "river_int4_mm: the residual must be [M, out_features]");
+    y = at::add(residual->view({M, N}), y);  // residual + product, the architecture's order
+  }
   return y;
 }
 
