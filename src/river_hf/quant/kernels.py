@@ -224,7 +224,12 @@ class RiverInt4Kernel(_CpuLibraryKernel):
     """``river-int4``: river-hf's own AVX-512 VNNI product on torch-int4's grid, int8 activations
     (:class:`~river_hf.quant.river_int4.RiverInt4Linear`); ``out_features`` divisible by 16."""
 
-    needs = "an x86-64 CPU with AVX-512 VNNI and a C++ compiler (gcc) for its one-time build, on Linux"
+    @property
+    def needs(self) -> str:
+        """What it needs, and why it cannot run here when it cannot."""
+        why = None if river_int4.works() else river_int4.unavailable_reason()
+        return ("an x86-64 CPU with AVX-512 VNNI and a C++ compiler (gcc) for its one-time build, on Linux"
+                + (f"; here: {why}" if why else ""))
 
     def works(self) -> bool:
         return river_int4.works()
