@@ -7,8 +7,11 @@ does what llama.cpp's do instead: each activation row is quantized to int8 per g
 channels, and the products run on integer dot-product instructions (``vpdpbusd``, 64
 multiply-adds per instruction). The grid of the weights is torch-int4's (asymmetric 4-bit groups,
 ``(q - 8) * scale + zero``, :func:`~river_hf.quant.modules.int4_grid`), so both kernels quantize a
-Linear alike; this one adds the activations' int8 rounding (symmetric per group, ``max|x| / 127``:
-about 0.7 % relative error of a product on random data, against the weights' own 10 %).
+Linear alike (scales and zeros kept in fp16 here, as llama.cpp keeps its block scales; tinygemm keeps
+them in bf16); this one adds the activations' int8 rounding (symmetric per group, ``max|x| / 127``:
+about 0.7 % relative error of a product on random data, against the weights' own 10 %). Each block of
+16 output channels is one contiguous stream of nibbles, scales and zeros (6 % over the 4-bit weights at
+groups of 128), read once per call.
 
 The C++ source (``csrc/int4_vnni.cpp``) is compiled once per source and torch version by torch's
 ``cpp_extension`` (gcc, about 25 s) into ``~/.cache/torch_extensions/river_hf`` (``$TORCH_EXTENSIONS_DIR``), with explicit instruction-set
@@ -34,7 +37,7 @@ from ..errors import RiverError
 from .modules import CastMemo, int4_grid
 from .registry import KernelModule
 
-__all__ = ["RiverInt4Linear", "works", "unavailable_reason", "REQUIRED_FLAGS"]
+__all__ = ["RiverInt4Linear", "works", "unavailable_reason", "extension", "REQUIRED_FLAGS"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
 #: the CPU features (``/proc/cpuinfo`` flags) the compiled kernel uses
@@ -117,6 +120,19 @@ def works() -> bool:
     return _checked() is None
 
 
+def extension():
+    """The compiled module (``pack``, ``mm``, and the Llama family's fused exit layer in two calls,
+    ``attention_in`` and ``attention_out``, see ``csrc/int4_vnni.cpp``), built on first use.
+
+    Raises:
+        RiverError: it cannot be built here (the reason as :func:`unavailable_reason` gives it).
+    """
+    module, why = _extension()
+    if module is None:
+        raise RiverError(f"river-int4 cannot run here: {why}")
+    return module
+
+
 def unavailable_reason() -> str | None:
     """Why :func:`works` is False (None when it is True)."""
     if os.environ.get("RIVER_HF_NO_EXTENSIONS") == "1":
@@ -124,13 +140,20 @@ def unavailable_reason() -> str | None:
     return _checked()
 
 
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (float32) in fp16, clamped to fp16's finite range (a scale below fp16's smallest
+    subnormal, 6e-8, only occurs for a constant group, whose weights the zero alone gives)."""
+    limit = torch.finfo(torch.float16).max
+    return t.clamp(-limit, limit).to(torch.float16).contiguous()
+
+
 class RiverInt4Linear(KernelModule):
     """``y = x @ W4.T + b`` on river-hf's AVX-512 VNNI kernel (module docstring).
 
     Weights on torch-int4's grid (:func:`~river_hf.quant.modules.int4_grid`: groups of at most
-    ``group_size`` input channels), packed for ``vpdpbusd``: ``packed`` uint8 ``[out / 16, in / 8, 64]``;
-    ``scales``, ``zeros`` float32 and ``corr`` int32 ``[out / 16, in / group, 16]`` (``corr``: 128 times
-    the group's sum of ``q - 8``, taken off the unsigned-activation dot product); ``bias`` float32
+    ``group_size`` input channels), packed for ``vpdpbusd``: ``packed`` uint8 ``[out / 16, in / group,
+    group * 8 + 64]``, one stream per block of 16 output channels, each group's nibbles followed by its
+    16 scales and 16 zeros in fp16 (``csrc/int4_vnni.cpp`` gives the byte layout); ``bias`` float32
     or None. ``forward(x)``: ``x [..., in]`` any float dtype -> ``[..., out]`` in x's dtype (computed
     in fp32 with int8 activations).
 
@@ -150,17 +173,8 @@ class RiverInt4Linear(KernelModule):
         if n % _LANES or k % 32:
             raise RiverError(f"river-int4 needs in_features divisible by 32 and out_features by 16, got {k}x{n}")
         q, scale, zero, g = int4_grid(linear.weight.detach().float().cpu(), group_size)
-        blocks = (n // _LANES, _LANES, k // g)
-
-        def per_block(t: torch.Tensor) -> torch.Tensor:  # [n, k / g] -> [n / 16, k / g, 16]
-            return t.reshape(blocks).transpose(1, 2).contiguous()
-
-        corr = (q.reshape(n, k // g, g) - 8).sum(-1) * 128
         self.in_features, self.out_features, self.group_size = k, n, g
-        self.register_buffer("packed", module.pack(q))
-        self.register_buffer("scales", per_block(scale.float()))
-        self.register_buffer("zeros", per_block(zero.float()))
-        self.register_buffer("corr", per_block(corr.to(torch.int32)))
+        self.register_buffer("packed", module.pack(q, _half(scale), _half(zero), g))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().cpu().contiguous())
         self.memo: CastMemo | None = None
 
@@ -174,28 +188,9 @@ class RiverInt4Linear(KernelModule):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
-        y = module.mm(x2, self.packed, self.scales, self.zeros, self.corr, self.bias, self.group_size, None, 0.0,
-                      False, None)
+        y = module.mm(x2, self.packed, self.bias, self.group_size, None, 0.0, False, None)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
-
-    def fused(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-              silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """One call for a product and the elementwise work around it, as a fused exit layer needs it
-        (float32; :class:`~river_hf.river.fused_llama.FusedLlamaLayer`), each piece by torch's own op
-        called from C++, so the numbers are the separate ops' bit for bit (the int8 rounding of the
-        activations would turn any other rounding of the input into whole int8 steps):
-
-        - ``silu_mul``: ``x [rows, 2 * in]`` is ``[gate | up]``; the product's input is
-          ``silu(gate) * up``;
-        - ``norm_weight [in]``: then ``torch.nn.functional.rms_norm`` of each row with ``eps`` (what
-          transformers' Llama / Qwen2 RMSNorm computes in fp32);
-        - ``residual [rows, out]``: ``residual + product`` (the product with its bias).
-
-        ``x [rows, in]`` (``[rows, 2 * in]`` with ``silu_mul``) float32 -> ``[rows, out]`` float32."""
-        module, _ = _extension()
-        return module.mm(x, self.packed, self.scales, self.zeros, self.corr, self.bias, self.group_size, norm_weight,
-                         float(eps), silu_mul, residual)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"

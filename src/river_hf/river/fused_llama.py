@@ -30,10 +30,11 @@ computes that on the exit copy's own kernel modules with few, big calls:
   rotary multiply), which gives the same numbers as the kernel's own cast back.
 
 When every product is one :class:`~river_hf.quant.river_int4.RiverInt4Linear` (river-int4, q/k/v and
-gate/up stacked) in an fp32 model, the elementwise work goes into the products' own calls
-(``RiverInt4Linear.fused``): the input norm into the q/k/v call, the residual add into the o call, the
-second norm into the gate/up call, ``silu(gate) * up`` and the last residual add into the down call;
-what is left in Python per layer is rotary, the cache update and SDPA.
+gate/up stacked) in an fp32 model, the layer is two calls into river-int4's C++ extension around the
+cache's own ``update`` (``attention_in``: input norm, q/k/v product, rotary; ``attention_out``: SDPA,
+o product and residual, second norm, gate/up product, ``silu(gate) * up``, down product and residual),
+each step the ATen op the Python path calls, in its order, so the same numbers bit for bit; what is
+left in Python per layer is the cache update and the mask's form.
 
 The attention implementations served are ``sdpa`` and ``eager`` (their masks are tensors SDPA
 takes as they are; eager with no mask attends to every key, as eager does); another one
@@ -51,6 +52,7 @@ from torch import nn
 from ..compat import attn_implementation
 from ..quant.fused import FUSED_NAMES, GROUPS
 from ..quant.modules import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from ..quant import river_int4
 from ..quant.river_int4 import RiverInt4Linear
 from .fused_layer import ExitLayerFamily, FusedExitLayer, register_family
 
@@ -74,6 +76,7 @@ class _StepTables(threading.local):
         self.key = None
         self.tables = None
         self.masks: dict = {}
+        self.impls: dict = {}
 
 
 _TABLES = _StepTables()
@@ -94,8 +97,18 @@ def step_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
         return local.tables
     half = sin.shape[-1] // 2
     tables = (cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1))
-    local.key, local.tables, local.masks = (cos, sin, _version(cos), _version(sin)), tables, {}
+    local.key, local.tables, local.masks, local.impls = (cos, sin, _version(cos), _version(sin)), tables, {}, {}
     return tables
+
+
+def _pass_attn_implementation(config) -> str:
+    """``config``'s attention implementation, read once per forward pass (:func:`step_tables` starts
+    a pass's set; a transformers config's attribute read costs ~15 µs, once per layer otherwise)."""
+    impls = _TABLES.impls
+    impl = impls.get(id(config))
+    if impl is None or impl[0] is not config:
+        impl = impls[id(config)] = (config, attn_implementation(config))
+    return impl[1]
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -158,8 +171,8 @@ class FusedLlamaLayer(FusedExitLayer):
                                   for k, mods in kernels.items()}
         self.__dict__["norms"] = (exit_copy.input_layernorm, exit_copy.post_attention_layernorm)
         self.qk_size = (self.heads + self.kv_heads) * d
-        # every product one river-int4 module (q/k/v and gate/up stacked): the norms, the residual adds
-        # and silu(gate) * up go into the products' own calls (RiverInt4Linear.fused), in fp32 models
+        # every product one river-int4 module (q/k/v and gate/up stacked): in fp32 models the layer is
+        # two C++ calls around the cache update (_int4_forward)
         self.int4_calls = all(len(mods) == 1 and isinstance(mods[0], RiverInt4Linear) for mods in kernels.values())
 
     def _product(self, key: str, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +195,9 @@ class FusedLlamaLayer(FusedExitLayer):
         past = kwargs.pop("past_key_values", None)
         if cache is None:
             cache = past
-        impl = attn_implementation(self.attn_config)
+        if position_embeddings is not None:
+            cos4, sin4 = step_tables(*position_embeddings)
+            impl = _pass_attn_implementation(self.attn_config)
         if (position_embeddings is None or impl not in _ATTENTION or not self.serves()
                 or position_embeddings[0].shape[-1] != self.head_dim
                 or (attention_mask is not None and not isinstance(attention_mask, torch.Tensor))):
@@ -192,14 +207,10 @@ class FusedLlamaLayer(FusedExitLayer):
         batch, tokens, _ = hidden_states.shape
         d, heads, kv = self.head_dim, self.heads, self.kv_heads
         dtype = hidden_states.dtype
-        cos4, sin4 = step_tables(*position_embeddings)
-        calls = self.int4_calls and dtype == torch.float32
-        if calls:
-            rows = hidden_states.reshape(batch * tokens, self.hidden)
-            norm = self.norms[0]
-            qkv = self.kernels["qkv"][0].fused(rows, norm.weight, norm.variance_epsilon)
-        else:
-            qkv = self._product("qkv", self._norm(0, hidden_states))
+        if self.int4_calls and dtype == torch.float32:
+            return self._int4_forward(hidden_states, cache, attention_mask, position_ids, use_cache, cos4, sin4,
+                                      impl, kwargs)
+        qkv = self._product("qkv", self._norm(0, hidden_states))
 
         # attention: one product, rotary on q and k at once, K/V into the shared cache slot
         qkv = qkv.view(batch, tokens, heads + 2 * kv, d).transpose(1, 2)
@@ -212,21 +223,10 @@ class FusedLlamaLayer(FusedExitLayer):
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_index,
                                         kwargs={"position_ids": position_ids, "use_cache": use_cache, **kwargs})
-        mask, causal = attention_mask, False
-        if mask is None:
-            causal = impl == "sdpa" and tokens > 1  # transformers' sdpa: the causal flag when no mask
-            if causal and keys.shape[2] > tokens:  # an empty static cache's prefill (transformers' crop)
-                keys, values = keys[:, :, :tokens], values[:, :, :tokens]
-        elif mask.dtype == torch.bool and tokens == 1:
-            mask = _additive(mask, query.dtype)
+        mask, causal, keys, values = self._attention_mask(attention_mask, impl, tokens, query.dtype, keys, values)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scaling,
                                               is_causal=causal, enable_gqa=self.rep > 1)
         attn = attn.transpose(1, 2).reshape(batch, tokens, heads * d)
-        if calls:  # h = x + o(attn); gate/up of norm(h); h + down(silu(gate) * up): three calls
-            h = self.kernels["o"][0].fused(attn.reshape(batch * tokens, heads * d), residual=rows)
-            norm = self.norms[1]
-            gu = self.kernels["gu"][0].fused(h, norm.weight, norm.variance_epsilon)
-            return self.kernels["down"][0].fused(gu, silu_mul=True, residual=h).view(batch, tokens, self.hidden)
         hidden_states = hidden_states + self._product("o", attn)  # one add, in the model's dtype
 
         # MLP: one gate/up product, silu(gate) * up in the model's dtype
@@ -234,6 +234,43 @@ class FusedLlamaLayer(FusedExitLayer):
         gate, up = gu.split(self.intermediate, dim=-1)
         act = F.silu(gate.to(dtype)) * up
         return hidden_states + self._product("down", act)
+
+    @staticmethod
+    def _attention_mask(mask, impl: str, tokens: int, dtype: torch.dtype, keys, values):
+        """``(mask, causal, keys, values)`` as transformers' ``sdpa`` attention hands them to SDPA: the
+        causal flag when there is no mask (with an empty static cache's prefill cropped), a boolean
+        decode mask as its additive form."""
+        causal = False
+        if mask is None:
+            causal = impl == "sdpa" and tokens > 1  # transformers' sdpa: the causal flag when no mask
+            if causal and keys.shape[2] > tokens:  # an empty static cache's prefill (transformers' crop)
+                keys, values = keys[:, :, :tokens], values[:, :, :tokens]
+        elif mask.dtype == torch.bool and tokens == 1:
+            mask = _additive(mask, dtype)
+        return mask, causal, keys, values
+
+    def _int4_forward(self, hidden_states, cache, attention_mask, position_ids, use_cache, cos4, sin4, impl, kwargs):
+        """The layer in two C++ calls of river-int4's extension around the cache's own ``update``
+        (every product one :class:`~river_hf.quant.river_int4.RiverInt4Linear`, fp32): the input
+        norm, the q/k/v product and rotary; then SDPA, ``h = x + o(attn)``, the gate/up product of
+        ``norm(h)`` and ``h + down(silu(gate) * up)``. The same ATen ops in the same order as the
+        Python path, so the same numbers bit for bit."""
+        batch, tokens, hidden = hidden_states.shape
+        ext = river_int4.extension()
+        rows = hidden_states.reshape(batch * tokens, hidden)
+        qkv, o, gu, down = (self.kernels[k][0] for k in ("qkv", "o", "gu", "down"))
+        norm1, norm2 = self.norms
+        query, keys, values = ext.attention_in(rows, qkv.packed, qkv.bias, qkv.group_size, norm1.weight,
+                                               norm1.variance_epsilon, cos4, sin4, batch, tokens, self.heads,
+                                               self.kv_heads, self.head_dim)
+        if cache is not None:
+            keys, values = cache.update(keys, values, self.layer_index,
+                                        kwargs={"position_ids": position_ids, "use_cache": use_cache, **kwargs})
+        mask, causal, keys, values = self._attention_mask(attention_mask, impl, tokens, query.dtype, keys, values)
+        out = ext.attention_out(query, keys, values, mask, causal, self.scaling, self.rep > 1, rows, o.packed, o.bias,
+                                o.group_size, gu.packed, gu.bias, gu.group_size, norm2.weight, norm2.variance_epsilon,
+                                down.packed, down.bias, down.group_size)
+        return out.view(batch, tokens, hidden)
 
     def extra_repr(self) -> str:
         separate = [k for k, mods in self.kernels.items() if len(mods) > 1]
