@@ -42,7 +42,7 @@ __all__ = ["RiverInt4Linear", "works", "unavailable_reason", "extension", "REQUI
 _SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
 #: the CPU features (``/proc/cpuinfo`` flags) the compiled kernel uses
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp"]
+_CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp"]
 _LANES = 16
 
 

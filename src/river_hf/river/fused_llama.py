@@ -207,7 +207,8 @@ class FusedLlamaLayer(FusedExitLayer):
         batch, tokens, _ = hidden_states.shape
         d, heads, kv = self.head_dim, self.heads, self.kv_heads
         dtype = hidden_states.dtype
-        if self.int4_calls and dtype == torch.float32:
+        if (self.int4_calls and dtype == torch.float32 and cos4.dtype == torch.float32
+                and cos4.shape[0] in (1, batch) and cos4.shape[2] == tokens):
             return self._int4_forward(hidden_states, cache, attention_mask, position_ids, use_cache, cos4, sin4,
                                       impl, kwargs)
         qkv = self._product("qkv", self._norm(0, hidden_states))
@@ -253,8 +254,9 @@ class FusedLlamaLayer(FusedExitLayer):
         """The layer in two C++ calls of river-int4's extension around the cache's own ``update``
         (every product one :class:`~river_hf.quant.river_int4.RiverInt4Linear`, fp32): the input
         norm, the q/k/v product and rotary; then SDPA, ``h = x + o(attn)``, the gate/up product of
-        ``norm(h)`` and ``h + down(silu(gate) * up)``. The same ATen ops in the same order as the
-        Python path, so the same numbers bit for bit."""
+        ``norm(h)`` and ``h + down(silu(gate) * up)``. The same fp32 operations in the same order as
+        the Python path (norms, silu and SDPA are ATen's ops; rotary, ``silu * up`` and the residual
+        adds loops doing the same multiplies and adds), so the same numbers bit for bit."""
         batch, tokens, hidden = hidden_states.shape
         ext = river_int4.extension()
         rows = hidden_states.reshape(batch * tokens, hidden)

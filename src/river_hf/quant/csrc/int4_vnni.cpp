@@ -96,6 +96,30 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* qx, 
     }
 }
 
+// torch.nn.functional.rms_norm of each row of x [M, K] (float, contiguous) with weight [K], bit for bit:
+// (x * rsqrt(mean(x * x) + eps)) * weight, the mean by ATen's own reduction (its summation order is
+// what decides the last bit), the rest one fp32 operation at a time in the same order.
+torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(weight.numel() == K && weight.scalar_type() == torch::kFloat, "river_int4: the norm weight must be float [K]");
+  auto wc = weight.contiguous();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  auto sq = torch::empty({M, K}, torch::kFloat);
+  float* sp = sq.data_ptr<float>();
+  for (int64_t i = 0; i < M * K; ++i) sp[i] = xp[i] * xp[i];
+  auto ms = at::mean(sq, {-1}, true).contiguous();
+  const float* mp = ms.data_ptr<float>();
+  auto out = torch::empty({M, K}, torch::kFloat);
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for (int64_t m = 0; m < M; ++m) {
+    const float r = 1.0f / std::sqrt(mp[m] + e);
+    for (int64_t k = 0; k < K; ++k) op[m * K + k] = (xp[m * K + k] * r) * wp[k];
+  }
+  return out;
+}
+
 // y [M, N] float = x [M, K] (float or bfloat16) times the packed weights, plus bias [N] if given.
 constexpr int64_t kRows = 4;
 
@@ -110,6 +134,7 @@ struct Rows {  // up to kRows activation rows and where their 16 outputs go
   const float* xs;
   const float* xsum;
   const int32_t* qsum;
+  const float* residual;  // [M, N] or null: added to the output as it is stored
   float* y;
   int64_t K, groups, N;
 };
@@ -157,14 +182,15 @@ inline void block_rows(const Block& blk, const Rows& r) {
       acc[i] = _mm512_fmadd_ps(zero, _mm512_set1_ps(r.xsum[at]), acc[i]);
     }
   }
-  for (int i = 0; i < R; ++i) _mm512_storeu_ps(r.y + i * r.N, acc[i]);
+  for (int i = 0; i < R; ++i)  // residual + product, the architecture's order (one fp32 add, as at::add)
+    _mm512_storeu_ps(r.y + i * r.N, r.residual ? _mm512_add_ps(_mm512_loadu_ps(r.residual + i * r.N), acc[i]) : acc[i]);
 }
 
 // packed: uint8 [N / 16, K / G, G * 8 + 64] (river_int4_pack); bias float [N] or none.
 // With ``silu_mul``: x is [M, 2K] = [gate | up] and the product's input is silu(gate) * up; with ``norm``
-// (float [K]): the input is RMS-normalized first (eps ``eps``); with ``residual`` (float [M, N]): it is
-// added to the output. Each by torch's own op (at::silu, at::mul, at::rms_norm, add_), called from here
-// instead of from Python: the same numbers as the architecture's code, bit for bit. That matters: the
+// (float [K]): the input is RMS-normalized first (eps ``eps``, rms_norm_rows); with ``residual`` (float
+// [M, N]): it is added to the output as it is stored. Each computes what torch's op computes (at::silu,
+// at::mul, at::rms_norm, at::add), bit for bit: the same numbers as the architecture's code. That matters: the
 // activations are then rounded to int8, where an input one float rounding away can land one int8 step
 // off, which moves a layer's update by about 1e-3 relative.
 torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t group,
@@ -176,9 +202,26 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
   const int64_t M = x.size(0), K = groups * G, N = NB * kLanes;
   TORCH_CHECK(x.size(1) == (silu_mul ? 2 * K : K), "river_int4_mm: shapes do not match");
   torch::Tensor xf = x.scalar_type() == torch::kFloat ? x : x.to(torch::kFloat);
-  if (silu_mul) xf = at::mul(at::silu(xf.narrow(1, 0, K)), xf.narrow(1, K, K));
-  if (norm.has_value()) xf = at::rms_norm(xf, {K}, *norm, eps);
+  if (silu_mul) {  // silu(gate) by at::silu, times up here: the same fp32 multiply as at::mul
+    xf = xf.contiguous();
+    auto gate = at::silu(xf.narrow(1, 0, K)).contiguous();
+    auto act = torch::empty({M, K}, torch::kFloat);
+    const float* gp = gate.data_ptr<float>();
+    const float* up = xf.data_ptr<float>() + K;
+    float* ap = act.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) ap[m * K + k] = gp[m * K + k] * up[m * 2 * K + k];
+    xf = act;
+  }
   xf = xf.contiguous();
+  if (norm.has_value()) xf = rms_norm_rows(xf, *norm, eps);
+  c10::optional<torch::Tensor> res;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->numel() == M * N && residual->scalar_type() == torch::kFloat,
+                "river_int4_mm: the residual must be float [M, out_features]");
+    res = residual->contiguous();
+  }
+  const float* resp = res.has_value() ? res->data_ptr<float>() : nullptr;
   auto qx = torch::empty({M, K}, torch::kInt8);
   auto xs = torch::empty({M, groups}, torch::kFloat);
   auto xsum = torch::empty({M, groups}, torch::kFloat);
@@ -200,8 +243,8 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
       for (int64_t m = 0; m < M; m += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
         const Block blk{w + nb * block_bytes, b ? b + nb * kLanes : nullptr, groups, G};
-        const Rows r{qxp + m * K, xsp + m * groups, xsump + m * groups, qsump + m * groups, yp + m * N + nb * kLanes,
-                     K, groups, N};
+        const Rows r{qxp + m * K, xsp + m * groups, xsump + m * groups, qsump + m * groups,
+                     resp ? resp + m * N + nb * kLanes : nullptr, yp + m * N + nb * kLanes, K, groups, N};
         switch (rows) {
           case 1: block_rows<1>(blk, r); break;
           case 2: block_rows<2>(blk, r); break;
@@ -210,10 +253,6 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
         }
       }
   });
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->numel() == M * N, "river_int4_mm: the residual must be [M, out_features]");
-    y = at::add(residual->view({M, N}), y);  // residual + product, the architecture's order
-  }
   return y;
 }
 
@@ -221,7 +260,9 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
 // update (which stays the cache object's own, in Python): ``attention_in`` is the input norm, the stacked
 // q/k/v product and rotary on q and k; ``attention_out`` is SDPA over the updated cache, the o product with
 // the residual, the second norm, the stacked gate/up product, silu(gate) * up and the down product with the
-// residual. Every step is the ATen op the Python layer calls, in its order: the same numbers, bit for bit.
+// residual. silu, SDPA and the norms' mean are ATen's own ops; the rest of the norms, the residual adds,
+// silu(gate) * up and rotary are loops here doing the same single fp32 operations in the same order: the
+// same numbers, bit for bit.
 
 // x [rows, hidden] float; cos4, sin4 [batch, 1, tokens, d] (sin4: first half negated, so
 // x * cos4 + roll(x, d / 2) * sin4 is rotate_half's rotary) -> query [batch, heads, tokens, d],
@@ -230,12 +271,33 @@ std::vector<torch::Tensor> attention_in(torch::Tensor x, torch::Tensor packed, c
                                         int64_t group, torch::Tensor norm, double eps, torch::Tensor cos4,
                                         torch::Tensor sin4, int64_t batch, int64_t tokens, int64_t heads, int64_t kv,
                                         int64_t d) {
-  auto qkv = mm(x, packed, bias, group, norm, eps, false, c10::nullopt).view({batch, tokens, heads + 2 * kv, d})
-                 .transpose(1, 2);
-  auto parts = qkv.split_with_sizes({heads + kv, kv}, 1);
-  auto qk = at::add(at::mul(parts[0], cos4), at::mul(parts[0].roll({d / 2}, {-1}), sin4));
-  auto qks = qk.split_with_sizes({heads, kv}, 1);
-  return {qks[0], qks[1], parts[1]};
+  const int64_t width = heads + 2 * kv, rot = heads + kv, half = d / 2;
+  TORCH_CHECK(d % 2 == 0 && cos4.scalar_type() == torch::kFloat && sin4.scalar_type() == torch::kFloat &&
+                  cos4.sizes() == sin4.sizes() && cos4.dim() == 4 && (cos4.size(0) == 1 || cos4.size(0) == batch) &&
+                  cos4.size(2) == tokens && cos4.size(3) == d,
+              "river_int4 attention_in: cos4 / sin4 must be float [batch or 1, 1, tokens, head_dim]");
+  auto y = mm(x, packed, bias, group, norm, eps, false, c10::nullopt);  // [batch * tokens, width * d]
+  auto c = cos4.contiguous(), s = sin4.contiguous();
+  // rotary: q * cos4 + roll(q, d / 2) * sin4, a multiply, a multiply and an add in fp32 (built with
+  // -ffp-contract=off, so not a fused multiply-add), as the Python ops compute it
+  auto qk = torch::empty({batch, rot, tokens, d}, torch::kFloat);
+  const float* yp = y.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  float* qp = qk.data_ptr<float>();
+  const int64_t cb = c.size(0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < rot; ++j)
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* src = yp + ((b * tokens + t) * width + j) * d;
+        const float* ct = cp + ((cb == 1 ? 0 : b) * tokens + t) * d;
+        const float* st = sp + ((cb == 1 ? 0 : b) * tokens + t) * d;
+        float* dst = qp + ((b * rot + j) * tokens + t) * d;
+        for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * ct[i] + src[i + half] * st[i];
+        for (int64_t i = half; i < d; ++i) dst[i] = src[i] * ct[i] + src[i - half] * st[i];
+      }
+  auto values = y.view({batch, tokens, width, d}).transpose(1, 2).narrow(1, rot, kv);
+  return {qk.narrow(1, 0, heads), qk.narrow(1, heads, kv), values};
 }
 
 // query [batch, heads, tokens, d], keys / values [batch, kv, length, d] (the cache's), mask (additive or
