@@ -161,3 +161,31 @@ def test_the_layer_with_int4_calls_computes_what_it_computes_without(kernel, tin
 
     (seq_a, a), (seq_b, b) = logits(True), logits(False)
     assert torch.equal(seq_a, seq_b) and torch.equal(a, b)
+
+
+def test_the_step_profile_splits_the_fused_layers_products_out_by_the_product_clock(kernel, tiny_llama):
+    """With the two-call fused layer there is no product module to hook: the kernel's product clock
+    adds up the products' time only while it is on, and the step profile books it as exit products
+    (the categories still add up to each pass's wall time; nothing is timed against a bound)."""
+    from river_hf import enable_river
+    from river_hf.bench_harness import step_profile as sp
+
+    clock = river_int4.product_clock()
+    assert clock is not None  # loaded by the fixture's check
+    x, packed = torch.randn(1, 256), river_int4.RiverInt4Linear(nn.Linear(256, 64)).packed
+    before = clock.product_ns()
+    kernel_ext = river_int4.extension()
+    kernel_ext.mm(x, packed, None, 128, None, 0.0, False, None)
+    assert clock.product_ns() == before  # off: nothing added
+    config = RiverConfig(backend="river-int4", exit_head="river-int4", exit_layer_impl="fused", fuse_projections=True)
+    river = enable_river(tiny_llama(), config=config)
+    ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(4))
+    with river.river_mode("exit"), torch.no_grad(), sp.StepProfiler(river) as prof:
+        river.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    for p in prof.passes:
+        assert sum(p["seconds"].values()) == pytest.approx(p["end"] - p["start"], rel=0.02)
+        assert p["seconds"]["exit products"] > 0  # no product module ran: only the clock books these
+    assert clock.product_ns() > before
+    after = clock.product_ns()
+    kernel_ext.mm(x, packed, None, 128, None, 0.0, False, None)
+    assert clock.product_ns() == after  # off again after the profile

@@ -7,7 +7,10 @@ per-pass work (``RiverRouter.begin`` / ``after_backbone`` / ``end``, the ``River
 
 - ``backbone products``: the backbone's ``nn.Linear`` modules (decoder layers);
 - ``exit products``: the exit layers' Linear copies (quantized kernels, their input casts, the
-  fused products and their slices);
+  fused products and their slices), and the river-int4 products run inside a fused exit layer's
+  C++ calls (timed by the kernel's product clock, ``river_int4.product_clock``: the activations'
+  int8 quantization and the dot products; the rest of those calls, norms, rotary, SDPA and
+  ``silu * up``, stays with the layer's category);
 - ``head``: the LM head (original or exit head, and its wrapper);
 - ``attention``: the attention modules minus their projections (rotary application, the KV-cache
   update, SDPA, reshapes);
@@ -33,6 +36,7 @@ __all__ = ["CATEGORIES", "linear_like", "categories", "StepProfiler", "step_rows
 
 CATEGORIES = ("backbone products", "exit products", "head", "attention", "norms/rotary/elementwise", "routing",
               "forward glue", "generate loop")
+_PRODUCT_CATEGORIES = ("backbone products", "exit products", "head")
 
 
 def linear_like(module: nn.Module) -> bool:
@@ -97,21 +101,38 @@ class StepProfiler:
         self.stack: list[list] = []  # [category, start, child seconds]
         self.handles: list = []
         self.patched: list = []
+        self.clock = None  # river-int4's product clock while profiling, when that kernel is loaded
+
+    def _product_seconds(self) -> float:
+        return self.clock.product_ns() * 1e-9 if self.clock is not None else 0.0
 
     def push(self, cat: str) -> None:
-        self.stack.append([cat, time.perf_counter(), 0.0])
+        # [category, start, children's seconds, product clock at start, children's product seconds]
+        self.stack.append([cat, time.perf_counter(), 0.0, self._product_seconds(), 0.0])
 
     def pop(self) -> None:
-        cat, start, child = self.stack.pop()
+        cat, start, child, product_start, child_products = self.stack.pop()
         elapsed = time.perf_counter() - start
+        products = self._product_seconds() - product_start
+        # products timed by the kernel's clock inside a non-product module (a fused exit layer's
+        # C++ calls) are exit products; inside a product or head module they are that module's time
+        inner = 0.0 if cat in _PRODUCT_CATEGORIES else products - child_products
         if self.passes and self.passes[-1]["end"] is None:
             seconds = self.passes[-1]["seconds"]
-            seconds[cat] = seconds.get(cat, 0.0) + elapsed - child
+            seconds[cat] = seconds.get(cat, 0.0) + elapsed - child - inner
+            if inner:
+                seconds["exit products"] = seconds.get("exit products", 0.0) + inner
         if self.stack:
             self.stack[-1][2] += elapsed
+            self.stack[-1][4] += products
 
     def __enter__(self):
+        from ..quant.river_int4 import product_clock
+
         cats = self.cats
+        self.clock = product_clock()
+        if self.clock is not None:
+            self.clock.set_product_clock(True)
         router = getattr(self.model, "river", None)
 
         def pre(module, args):
@@ -156,6 +177,8 @@ class StepProfiler:
         return self
 
     def __exit__(self, *exc):
+        if self.clock is not None:
+            self.clock.set_product_clock(False)
         for h in self.handles:
             h.remove()
         for obj, name in self.patched:

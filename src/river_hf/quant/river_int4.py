@@ -37,7 +37,7 @@ from ..errors import RiverError
 from .modules import CastMemo, int4_grid
 from .registry import KernelModule
 
-__all__ = ["RiverInt4Linear", "works", "unavailable_reason", "extension", "REQUIRED_FLAGS"]
+__all__ = ["RiverInt4Linear", "works", "unavailable_reason", "extension", "product_clock", "REQUIRED_FLAGS"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
 #: the CPU features (``/proc/cpuinfo`` flags) the compiled kernel uses
@@ -131,6 +131,18 @@ def extension():
     if module is None:
         raise RiverError(f"river-int4 cannot run here: {why}")
     return module
+
+
+def product_clock():
+    """The kernel's product clock when this process has already loaded the kernel (nothing is built
+    or checked here), else None: the module's ``set_product_clock(on: bool)`` starts or stops adding
+    up the wall time of every weight product (the activations' int8 quantization and the dot
+    products, timed on the calling thread, also inside ``attention_in`` / ``attention_out``), and
+    ``product_ns()`` returns the total in nanoseconds (int). Used by the step profile to split a
+    fused exit layer's calls into products and the rest."""
+    if os.environ.get("RIVER_HF_NO_EXTENSIONS") == "1" or _extension.cache_info().currsize == 0:
+        return None
+    return _extension()[0]
 
 
 def unavailable_reason() -> str | None:

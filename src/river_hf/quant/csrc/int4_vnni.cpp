@@ -20,9 +20,32 @@
 #include <immintrin.h>
 #include <cmath>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 
 namespace {
+
+// The product clock (read by river_hf.bench_harness.step_profile): when on, the wall time of every weight
+// product (the activations' int8 quantization and the blocks' dot products, from the calling thread) is
+// added up, so a profile can split a fused exit layer's two calls into products and the rest.
+std::atomic<bool> g_clock_on{false};
+std::atomic<int64_t> g_product_ns{0};
+
+struct ProductTimer {
+  const bool on = g_clock_on.load(std::memory_order_relaxed);
+  const std::chrono::steady_clock::time_point start = on ? std::chrono::steady_clock::now()
+                                                         : std::chrono::steady_clock::time_point{};
+  ~ProductTimer() {
+    if (on)
+      g_product_ns.fetch_add(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
+          std::memory_order_relaxed);
+  }
+};
+
+void set_product_clock(bool on) { g_clock_on.store(on); }
+int64_t product_ns() { return g_product_ns.load(); }
 
 constexpr int kLanes = 16;
 
@@ -222,6 +245,7 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
     res = residual->contiguous();
   }
   const float* resp = res.has_value() ? res->data_ptr<float>() : nullptr;
+  ProductTimer timer;  // from here to the return: the product
   auto qx = torch::empty({M, K}, torch::kInt8);
   auto xs = torch::empty({M, groups}, torch::kFloat);
   auto xsum = torch::empty({M, groups}, torch::kFloat);
@@ -322,5 +346,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack int32 [N, K] 4-bit values with fp16 scales and zeros for river_int4_mm");
   m.def("mm", &mm, "river-int4 product");
   m.def("attention_in", &attention_in, "Llama-family exit layer: input norm, q/k/v product, rotary");
+  m.def("set_product_clock", &set_product_clock, "start (true) or stop adding up the products' wall time");
+  m.def("product_ns", &product_ns, "nanoseconds of products added up while the product clock was on");
   m.def("attention_out", &attention_out, "Llama-family exit layer: SDPA, o product, norm, gate/up, silu*up, down");
 }
