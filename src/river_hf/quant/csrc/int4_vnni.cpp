@@ -23,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -120,8 +121,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* qx, 
 }
 
 // torch.nn.functional.rms_norm of each row of x [M, K] (float, contiguous) with weight [K], bit for bit:
-// (x * rsqrt(mean(x * x) + eps)) * weight, the mean by ATen's own reduction (its summation order is
-// what decides the last bit), the rest one fp32 operation at a time in the same order.
+// (x * rsqrt(mean(x * x) + eps)) * weight, the sum of the mean by ATen's own reduction (its summation order
+// is what decides the last bit), the rest one fp32 operation at a time in the same order.
 torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(weight.numel() == K && weight.scalar_type() == torch::kFloat, "river_int4: the norm weight must be float [K]");
@@ -131,13 +132,14 @@ torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight,
   auto sq = torch::empty({M, K}, torch::kFloat);
   float* sp = sq.data_ptr<float>();
   for (int64_t i = 0; i < M * K; ++i) sp[i] = xp[i] * xp[i];
-  auto ms = at::mean(sq, {-1}, true).contiguous();
+  // at::mean on CPU is at::sum, then div_ by the count as a float: the sum here, the same division below
+  auto ms = at::sum(sq, {-1}, true).contiguous();
   const float* mp = ms.data_ptr<float>();
   auto out = torch::empty({M, K}, torch::kFloat);
   float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
+  const float e = static_cast<float>(eps), count = static_cast<float>(K);
   for (int64_t m = 0; m < M; ++m) {
-    const float r = 1.0f / std::sqrt(mp[m] + e);
+    const float r = 1.0f / std::sqrt(mp[m] / count + e);
     for (int64_t k = 0; k < K; ++k) op[m * K + k] = (xp[m * K + k] * r) * wp[k];
   }
   return out;
@@ -246,19 +248,24 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
   }
   const float* resp = res.has_value() ? res->data_ptr<float>() : nullptr;
   ProductTimer timer;  // from here to the return: the product
-  auto qx = torch::empty({M, K}, torch::kInt8);
-  auto xs = torch::empty({M, groups}, torch::kFloat);
-  auto xsum = torch::empty({M, groups}, torch::kFloat);
-  auto qsum = torch::empty({M, groups}, torch::kInt);
-  quantize_rows(xf.data_ptr<float>(), M, K, G, qx.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(),
-                qsum.data_ptr<int32_t>());
+  // the quantized activations in this thread's scratch buffers (reused from call to call: no allocations)
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> xs, xsum;
+  thread_local std::vector<int32_t> qsum;
+  if (qx.size() < static_cast<size_t>(M * K)) qx.resize(M * K);
+  if (xs.size() < static_cast<size_t>(M * groups)) {
+    xs.resize(M * groups);
+    xsum.resize(M * groups);
+    qsum.resize(M * groups);
+  }
+  quantize_rows(xf.data_ptr<float>(), M, K, G, qx.data(), xs.data(), xsum.data(), qsum.data());
   auto y = torch::empty({M, N}, torch::kFloat);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const int8_t* qxp = qx.data_ptr<int8_t>();
-  const float* xsp = xs.data_ptr<float>();
-  const float* xsump = xsum.data_ptr<float>();
-  const int32_t* qsump = qsum.data_ptr<int32_t>();
+  const int8_t* qxp = qx.data();
+  const float* xsp = xs.data();
+  const float* xsump = xsum.data();
+  const int32_t* qsump = qsum.data();
   float* yp = y.data_ptr<float>();
   const int64_t block_bytes = groups * group_bytes(G);
   // one weight stream per block; a few blocks per task keep the two threads' streams long
