@@ -189,3 +189,39 @@ def test_the_step_profile_splits_the_fused_layers_products_out_by_the_product_cl
     after = clock.product_ns()
     kernel_ext.mm(x, packed, None, 128, None, 0.0, False, None)
     assert clock.product_ns() == after  # off again after the profile
+
+
+def test_on_a_padded_batch_the_fused_layer_gives_the_architectures_numbers(kernel, tiny_llama):
+    """A left-padded batch brings a mask: transformers' sdpa attention then packs the query heads of
+    each K/V head for one token and repeats K/V for more; the fused layer hands SDPA the same inputs,
+    so exit mode gives the architecture copy's logits bit for bit, on the two-call path and the
+    Python path (GQA: 4 query heads, 2 K/V heads)."""
+    from river_hf import enable_river
+    from river_hf.river.fused_layer import FusedExitLayer
+    from river_hf.river.layer import RiverLayer
+
+    config = RiverConfig(backend="river-int4", exit_head="river-int4", exit_layer_impl="fused", fuse_projections=True)
+    river = enable_river(tiny_llama(), config=config)
+    layers = [m.exit_layer for m in river.modules() if isinstance(m, RiverLayer)]
+    ids = torch.randint(3, 256, (3, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4], ids[2, :2], mask[2, :2] = 0, 0, 0, 0  # left padding
+
+    def logits(fused: bool, int4_calls: bool = True):
+        for layer in layers:
+            layer.int4_calls = int4_calls
+        serves = FusedExitLayer.serves
+        try:
+            if not fused:
+                FusedExitLayer.serves = lambda self: False  # every call runs the architecture copy
+            with river.river_mode("exit"), torch.no_grad():
+                out = river.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                     output_scores=True, return_dict_in_generate=True)
+        finally:
+            FusedExitLayer.serves = serves
+        return out.sequences, torch.stack(out.scores)
+
+    seq, ref = logits(False)
+    for int4_calls in (True, False):
+        seq_f, got = logits(True, int4_calls)
+        assert torch.equal(seq_f, seq) and torch.equal(got, ref)

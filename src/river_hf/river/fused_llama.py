@@ -21,9 +21,12 @@ computes that on the exit copy's own kernel modules with few, big calls:
 - K/V written through the cache's public ``update`` with the layer's index, in the layout and
   dtype the architecture writes (``[batch, kv_heads, tokens, head_dim]``, model dtype, rotary
   applied to K): the backbone reads them;
-- ``scaled_dot_product_attention`` with ``enable_gqa`` (no ``repeat_kv``), the mask the layer
-  received (a boolean decode mask is turned into the additive one SDPA would make, once per pass),
-  the causal flag and the static-cache crop exactly as transformers' ``sdpa`` attention sets them;
+- ``scaled_dot_product_attention`` on the inputs transformers' ``sdpa`` attention
+  (``transformers.integrations.sdpa_attention``, 5.24 and 5.25) hands it: with no mask
+  ``enable_gqa``, the causal flag and the static-cache crop; with a mask (a padded batch, a sliding
+  window) the mask as it came, and for one query token the query heads of each K/V head packed as
+  its query rows (its ``pack_gqa``), for more tokens K/V repeated per query head (``repeat_kv``):
+  the same SDPA call, so the same numbers as the architecture's layer on the same weights;
 - one cast into each product's compute dtype where the kernel computes in bf16 inside an fp32
   model (:class:`~river_hf.quant.modules.Int4WeightOnlyLinear`, ``Int8WeightOnlyLinear``,
   ``CastLinear``), its output folded into the next op that needs fp32 (the residual add, the
@@ -34,7 +37,7 @@ gate/up stacked) in an fp32 model, the layer is two calls into river-int4's C++ 
 cache's own ``update`` (``attention_in``: input norm, q/k/v product, rotary; ``attention_out``: SDPA,
 o product and residual, second norm, gate/up product, ``silu(gate) * up``, down product and residual),
 each step the ATen op the Python path calls, in its order, so the same numbers bit for bit; what is
-left in Python per layer is the cache update and the mask's form.
+left in Python per layer is the cache update and SDPA's input forms.
 
 The attention implementations served are ``sdpa`` and ``eager`` (their masks are tensors SDPA
 takes as they are; eager with no mask attends to every key, as eager does); another one
@@ -70,12 +73,11 @@ _MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 class _StepTables(threading.local):
     """This thread's tables derived from the forward pass in flight: the rotary ``cos``/``sin`` it
     came with (identity and version), their ``[batch, 1, tokens, head_dim]`` forms, and the
-    additive forms of the boolean decode masks seen in it."""
+    attention implementation of each config seen in it."""
 
     def __init__(self):
         self.key = None
         self.tables = None
-        self.masks: dict = {}
         self.impls: dict = {}
 
 
@@ -97,7 +99,7 @@ def step_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
         return local.tables
     half = sin.shape[-1] // 2
     tables = (cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1))
-    local.key, local.tables, local.masks, local.impls = (cos, sin, _version(cos), _version(sin)), tables, {}, {}
+    local.key, local.tables, local.impls = (cos, sin, _version(cos), _version(sin)), tables, {}
     return tables
 
 
@@ -109,19 +111,6 @@ def _pass_attn_implementation(config) -> str:
     if impl is None or impl[0] is not config:
         impl = impls[id(config)] = (config, attn_implementation(config))
     return impl[1]
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean decode mask (True: attend) as the additive mask SDPA would make of it (0 / -inf in
-    ``dtype``), once per mask of this pass (:func:`step_tables` starts a pass's set)."""
-    masks = _TABLES.masks
-    entry = masks.get(id(mask))
-    if entry is not None and entry[0] is mask and entry[1] == _version(mask) and entry[2].dtype == dtype:
-        return entry[2]
-    out = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
-                      torch.full((), float("-inf"), dtype=dtype, device=mask.device))
-    masks[id(mask)] = (mask, _version(mask), out)
-    return out
 
 
 def _feed_dtype(kernel: nn.Module) -> torch.dtype | None:
@@ -224,10 +213,10 @@ class FusedLlamaLayer(FusedExitLayer):
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_index,
                                         kwargs={"position_ids": position_ids, "use_cache": use_cache, **kwargs})
-        mask, causal, keys, values = self._attention_mask(attention_mask, impl, tokens, query.dtype, keys, values)
+        query, keys, values, mask, causal, gqa = self._sdpa_inputs(attention_mask, impl, query, keys, values)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scaling,
-                                              is_causal=causal, enable_gqa=self.rep > 1)
-        attn = attn.transpose(1, 2).reshape(batch, tokens, heads * d)
+                                              is_causal=causal, enable_gqa=gqa)
+        attn = attn.reshape(batch, heads, tokens, d).transpose(1, 2).reshape(batch, tokens, heads * d)
         hidden_states = hidden_states + self._product("o", attn)  # one add, in the model's dtype
 
         # MLP: one gate/up product, silu(gate) * up in the model's dtype
@@ -236,19 +225,32 @@ class FusedLlamaLayer(FusedExitLayer):
         act = F.silu(gate.to(dtype)) * up
         return hidden_states + self._product("down", act)
 
-    @staticmethod
-    def _attention_mask(mask, impl: str, tokens: int, dtype: torch.dtype, keys, values):
-        """``(mask, causal, keys, values)`` as transformers' ``sdpa`` attention hands them to SDPA: the
-        causal flag when there is no mask (with an empty static cache's prefill cropped), a boolean
-        decode mask as its additive form."""
-        causal = False
-        if mask is None:
-            causal = impl == "sdpa" and tokens > 1  # transformers' sdpa: the causal flag when no mask
-            if causal and keys.shape[2] > tokens:  # an empty static cache's prefill (transformers' crop)
-                keys, values = keys[:, :, :tokens], values[:, :, :tokens]
-        elif mask.dtype == torch.bool and tokens == 1:
-            mask = _additive(mask, dtype)
-        return mask, causal, keys, values
+    def _sdpa_inputs(self, mask, impl: str, query, keys, values):
+        """``(query, keys, values, mask, is_causal, enable_gqa)`` as transformers' ``sdpa`` attention
+        (``sdpa_attention_forward`` of transformers 5.24 / 5.25) hands them to SDPA, from ``query``
+        ``[batch, heads, tokens, head_dim]`` and the cache's ``keys`` / ``values``: ``enable_gqa``
+        when there is no mask; with a mask and one query token, each K/V head's query heads packed
+        as its rows (``[batch, kv_heads, heads / kv_heads, head_dim]``, a mask with a head axis
+        likewise); with a mask and more tokens, K/V repeated per query head. The causal flag with no
+        mask and several tokens (``sdpa`` only: eager with no mask attends to every key), with an
+        empty static cache's prefill cropped. SDPA's output has ``batch * heads * tokens`` rows of
+        ``head_dim`` in the head order either way."""
+        tokens, rep = query.shape[2], self.rep
+        gqa = False
+        if rep > 1:
+            if mask is None and keys.shape[-1] == values.shape[-1] <= 256:
+                gqa = True
+            elif tokens == 1:
+                batch, heads, _, d = query.shape
+                query = query.reshape(batch, heads // rep, rep, d)
+                if mask is not None and mask.shape[1] != 1:
+                    mask = mask.reshape(mask.shape[0], mask.shape[1] // rep, rep, mask.shape[-1])
+            else:
+                keys, values = (t.repeat_interleave(rep, dim=1) for t in (keys, values))
+        causal = impl == "sdpa" and tokens > 1 and mask is None
+        if causal and keys.shape[2] > tokens:  # an empty static cache's prefill (transformers' crop)
+            keys, values = keys[:, :, :tokens], values[:, :, :tokens]
+        return query, keys, values, mask, causal, gqa
 
     def _int4_forward(self, hidden_states, cache, attention_mask, position_ids, use_cache, cos4, sin4, impl, kwargs):
         """The layer in two C++ calls of river-int4's extension around the cache's own ``update``
@@ -268,8 +270,8 @@ class FusedLlamaLayer(FusedExitLayer):
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_index,
                                         kwargs={"position_ids": position_ids, "use_cache": use_cache, **kwargs})
-        mask, causal, keys, values = self._attention_mask(attention_mask, impl, tokens, query.dtype, keys, values)
-        out = ext.attention_out(query, keys, values, mask, causal, self.scaling, self.rep > 1, rows, o.packed, o.bias,
+        query, keys, values, mask, causal, gqa = self._sdpa_inputs(attention_mask, impl, query, keys, values)
+        out = ext.attention_out(query, keys, values, mask, causal, self.scaling, gqa, rows, o.packed, o.bias,
                                 o.group_size, gu.packed, gu.bias, gu.group_size, norm2.weight, norm2.variance_epsilon,
                                 down.packed, down.bias, down.group_size)
         return out.view(batch, tokens, hidden)

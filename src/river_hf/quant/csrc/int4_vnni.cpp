@@ -331,8 +331,8 @@ std::vector<torch::Tensor> attention_in(torch::Tensor x, torch::Tensor packed, c
   return {qk.narrow(1, 0, heads), qk.narrow(1, heads, kv), values};
 }
 
-// query [batch, heads, tokens, d], keys / values [batch, kv, length, d] (the cache's), mask (additive or
-// boolean, SDPA's broadcasting) or none, residual [rows, hidden] (the layer's input) -> [rows, hidden]
+// query [batch, heads, tokens, d] (or, for one token, [batch, kv, heads / kv, d]: transformers' packed
+// form), keys / values [batch, kv or heads, length, d], mask (additive or boolean, SDPA's broadcasting) or none, residual [rows, hidden] (the layer's input) -> [rows, hidden]
 torch::Tensor attention_out(torch::Tensor query, torch::Tensor keys, torch::Tensor values,
                             c10::optional<torch::Tensor> mask, bool causal, double scale, bool gqa,
                             torch::Tensor residual, torch::Tensor o_packed, c10::optional<torch::Tensor> o_bias,
@@ -341,7 +341,9 @@ torch::Tensor attention_out(torch::Tensor query, torch::Tensor keys, torch::Tens
                             c10::optional<torch::Tensor> down_bias, int64_t down_group) {
   const int64_t rows = residual.size(0);
   auto attn = at::scaled_dot_product_attention(query, keys, values, mask, 0.0, causal, scale, gqa);
-  attn = attn.transpose(1, 2).reshape({rows, query.size(1) * query.size(3)});
+  // [batch, heads, tokens, d] in head order (also when the query heads came packed per K/V head)
+  const int64_t batch = query.size(0), d = query.size(3);
+  attn = attn.reshape({batch, -1, rows / batch, d}).transpose(1, 2).reshape({rows, -1});
   auto h = mm(attn, o_packed, o_bias, o_group, c10::nullopt, 0.0, false, residual);
   auto gu = mm(h, gu_packed, gu_bias, gu_group, norm, eps, false, c10::nullopt);
   return mm(gu, down_packed, down_bias, down_group, c10::nullopt, 0.0, true, h);
