@@ -99,9 +99,11 @@ def other_results(folder: Path, done: set[Path]) -> list[str]:
         if path in done:
             continue
         command = json.loads(path.read_text()).get("command")
-        lines += [f"### {path.name}", "", f"`{command}`" if command else "(no command recorded)", ""]
-        if path.with_suffix(".md").is_file():
-            lines += [path.with_suffix(".md").read_text().strip(), ""]
+        table = path.with_suffix(".md").read_text().strip() if path.with_suffix(".md").is_file() else ""
+        shown = f"`{command}`" if command else "(no command recorded)"
+        lines += [f"### {path.name}", ""] + ([] if command and table.startswith(shown) else [shown, ""])
+        if table:  # a heldout_speed table opens with its own command line
+            lines += [table, ""]
     return ["## Other results in this folder", "", *lines] if lines else []
 
 
