@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import transformers
 from packaging.version import Version
+from transformers.integrations.sdpa_attention import pack_gqa, repeat_kv, use_gqa_in_sdpa
 
 __all__ = ["TRANSFORMERS_VERSION", "CHECKED_VERSIONS", "PRIVATE_NAMES", "GenerationHooks", "prepare_generation_config",
            "eos_token_ids", "attn_implementation", "auto_class_supports", "build_from_config",
            "prepare_lengths", "logits_processors", "stopping_criteria",
-           "architecture_forwards"]
+           "architecture_forwards", "sdpa_gqa"]
 
 #: The installed transformers version.
 TRANSFORMERS_VERSION = Version(transformers.__version__)
@@ -214,3 +215,19 @@ def architecture_forwards(module) -> int:
             sub.__dict__.pop("_kernel_repo", None)
             dropped += 1
     return dropped
+
+
+def sdpa_gqa(query, keys, values, mask, rep: int):
+    """``(query, keys, values, mask, enable_gqa)`` as transformers' ``sdpa`` attention hands grouped
+    heads to ``scaled_dot_product_attention`` (``rep`` query heads per K/V head), by its own helpers
+    in ``transformers.integrations.sdpa_attention``: ``enable_gqa`` where ``use_gqa_in_sdpa`` says
+    so, else for one query token ``pack_gqa`` of the query and the mask, else ``repeat_kv`` of K/V.
+    River's fused exit layers call it so that they hand SDPA what the architecture's layer does
+    (bit for bit on a padded batch). Checked on 5.24.0 and 5.25.0 (the same logic in both)."""
+    if rep <= 1:
+        return query, keys, values, mask, False
+    if use_gqa_in_sdpa(mask, keys, values):
+        return query, keys, values, mask, True
+    if query.shape[2] == 1:
+        return pack_gqa(query, rep), keys, values, pack_gqa(mask, rep), False
+    return query, repeat_kv(keys, rep), repeat_kv(values, rep), mask, False

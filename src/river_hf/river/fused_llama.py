@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compat import attn_implementation
+from ..compat import attn_implementation, sdpa_gqa
 from ..quant.fused import FUSED_NAMES, GROUPS
 from ..quant.modules import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from ..quant import river_int4
@@ -228,25 +228,16 @@ class FusedLlamaLayer(FusedExitLayer):
     def _sdpa_inputs(self, mask, impl: str, query, keys, values):
         """``(query, keys, values, mask, is_causal, enable_gqa)`` as transformers' ``sdpa`` attention
         (``sdpa_attention_forward`` of transformers 5.24 / 5.25) hands them to SDPA, from ``query``
-        ``[batch, heads, tokens, head_dim]`` and the cache's ``keys`` / ``values``: ``enable_gqa``
-        when there is no mask; with a mask and one query token, each K/V head's query heads packed
-        as its rows (``[batch, kv_heads, heads / kv_heads, head_dim]``, a mask with a head axis
-        likewise); with a mask and more tokens, K/V repeated per query head. The causal flag with no
+        ``[batch, heads, tokens, head_dim]`` and the cache's ``keys`` / ``values``, by transformers'
+        own helpers (:func:`~river_hf.compat.sdpa_gqa`): ``enable_gqa`` when there is no mask; with a
+        mask and one query token, each K/V head's query heads packed as its rows
+        (``[batch, kv_heads, heads / kv_heads, head_dim]``); with a mask and more tokens, K/V
+        repeated per query head. The causal flag with no
         mask and several tokens (``sdpa`` only: eager with no mask attends to every key), with an
         empty static cache's prefill cropped. SDPA's output has ``batch * heads * tokens`` rows of
         ``head_dim`` in the head order either way."""
-        tokens, rep = query.shape[2], self.rep
-        gqa = False
-        if rep > 1:
-            if mask is None and keys.shape[-1] == values.shape[-1] <= 256:
-                gqa = True
-            elif tokens == 1:
-                batch, heads, _, d = query.shape
-                query = query.reshape(batch, heads // rep, rep, d)
-                if mask is not None and mask.shape[1] != 1:
-                    mask = mask.reshape(mask.shape[0], mask.shape[1] // rep, rep, mask.shape[-1])
-            else:
-                keys, values = (t.repeat_interleave(rep, dim=1) for t in (keys, values))
+        tokens = query.shape[2]
+        query, keys, values, mask, gqa = sdpa_gqa(query, keys, values, mask, self.rep)
         causal = impl == "sdpa" and tokens > 1 and mask is None
         if causal and keys.shape[2] > tokens:  # an empty static cache's prefill (transformers' crop)
             keys, values = keys[:, :, :tokens], values[:, :, :tokens]
