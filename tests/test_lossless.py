@@ -314,7 +314,8 @@ def test_draft_length_never_exceeds_max_draft_tokens(monkeypatch):
     monkeypatch.setattr(ExitPathDrafter, "update_candidate_strategy", spy)
     base = tiny_model("qwen2")
     base.generation_config.eos_token_id = None
-    river = river_copy(base, backend="copy", config=RiverConfig(lossless=True, draft_tokens=2, max_draft_tokens=5))
+    config = RiverConfig(lossless=True, draft_tokens=2, max_draft_tokens=5, draft_schedule="heuristic")
+    river = river_copy(base, backend="copy", config=config)
     ids = prompt(10)
     out = river.generate(ids, max_new_tokens=40, **GEN)
     assert torch.equal(out, base.generate(ids, max_new_tokens=40, **GEN))

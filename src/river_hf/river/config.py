@@ -18,11 +18,12 @@ from ..files import atomic_write
 from ..models import REGISTRY
 from ..quant import get_backend
 from .controllers import ExitRuleList, MinLayerRule, StateTransitionSimilarityRule, rules_from_config
+from .draft_schedule import SCHEDULES
 from .layer import PREFILL_POLICIES
 from .strategies import STRATEGIES
 
 #: lossless-mode choices (defined here, at the bottom of the import graph; :mod:`.lossless` reuses them)
-DRAFT_SCHEDULES = ("heuristic", "constant")
+DRAFT_SCHEDULES = tuple(SCHEDULES)  # heuristic, constant, cost (:mod:`.draft_schedule`)
 VERIFY_KERNELS = ("auto", "onednn", "torch")  # also the values of backbone_kernel
 #: where a lossless draft pass runs: ``route`` (River's exit path: backbone layers until the draft
 #: rules say exit, then exit layers) or ``exit`` (every layer its exit copy: no backbone layer)
@@ -142,9 +143,11 @@ class RiverConfig:
             default 15 (16 verify rows) follows ``benchmarks/verify_linear.py``: at 16 rows a prepacked
             896x4864 product reads its weights at half the one-row rate, so longer rounds cost more
             per token than they save in drafts (docs/results/verify_linear.txt).
-        draft_schedule: lossless mode: ``heuristic`` (k + 2 after a fully accepted round, k - 1
-            otherwise, as transformers' ``num_assistant_tokens_schedule="heuristic"``) or
-            ``constant``.
+        draft_schedule: lossless mode, how k changes from round to round (:mod:`.draft_schedule`):
+            ``heuristic`` (k + 2 after a fully accepted round, k - 1 otherwise, as transformers'
+            ``num_assistant_tokens_schedule="heuristic"``), ``constant``, or ``cost`` (the k with the
+            most expected tokens per second from the call's acceptance rate and measured draft and
+            verify times: Leviathan et al. 2023, §3.5).
         prompt_lookup_tokens: lossless mode: when > 0, a round whose last tokens occurred earlier
             in the sequence proposes the up to this many tokens that followed them (prompt lookup
             decoding, no draft pass) instead of drafting through the exit path; 0: off.
@@ -229,7 +232,7 @@ class RiverConfig:
     lossless: bool = False
     draft_tokens: int = 4
     max_draft_tokens: int = 15
-    draft_schedule: str = "heuristic"
+    draft_schedule: str = "cost"
     prompt_lookup_tokens: int = 0
     prompt_lookup_rule: str = "always"
     draft_path: str = "route"

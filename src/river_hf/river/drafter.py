@@ -23,6 +23,7 @@ from ..compat import eos_token_ids
 from ..errors import RiverError
 from .arch import decoder_stack
 from .config import DRAFT_PATHS, DRAFT_SCHEDULES, PROMPT_LOOKUP_RULES
+from .draft_schedule import make_schedule
 from .layer import EXIT_ONLY, ROUTE
 
 __all__ = ["ExitPathDrafter", "LookupGate"]
@@ -96,7 +97,7 @@ class ExitPathDrafter(CandidateGenerator):
             scores they return, exactly as the verify pass processes the backbone's logits.
         draft_tokens: k of the first round (>= 1).
         max_draft_tokens: the largest k the schedule may reach (>= ``draft_tokens``; default: no cap).
-        schedule: one of :data:`DRAFT_SCHEDULES`.
+        schedule: one of :data:`DRAFT_SCHEDULES` (:mod:`.draft_schedule`).
         record: dict the statistics of the call are accumulated into (see :meth:`stats`).
         prompt_lookup_tokens: when > 0, each round first looks for the last tokens (an n-gram of
             up to 2) earlier in the sequence, and when found proposes the up to this many tokens
@@ -124,8 +125,6 @@ class ExitPathDrafter(CandidateGenerator):
                  draft_rules=None, draft_head=None):
         if not isinstance(draft_tokens, int) or draft_tokens < 1:
             raise RiverError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
-        if schedule not in DRAFT_SCHEDULES:
-            raise RiverError(f"draft_schedule must be one of {', '.join(DRAFT_SCHEDULES)}, got {schedule!r}")
         self.model = model
         self.logits_processor = logits_processor
         self.do_sample = bool(generation_config.do_sample)
@@ -135,7 +134,7 @@ class ExitPathDrafter(CandidateGenerator):
         self.max_draft_tokens = max_draft_tokens if max_draft_tokens is not None else 1 << 30
         if self.max_draft_tokens < draft_tokens:
             raise RiverError(f"max_draft_tokens ({max_draft_tokens}) must be >= draft_tokens ({draft_tokens})")
-        self.schedule = schedule
+        self.schedule = make_schedule(schedule, draft_tokens, self.max_draft_tokens)
         if draft_path not in DRAFT_PATHS:
             raise RiverError(f"draft_path must be one of {', '.join(DRAFT_PATHS)}, got {draft_path!r}")
         self.draft_mode = EXIT_ONLY if draft_path == "exit" else ROUTE
@@ -287,7 +286,7 @@ class ExitPathDrafter(CandidateGenerator):
         return candidates, scores
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        """Count the round and adapt k (transformers' "heuristic" schedule, or none)."""
+        """Count the round and adapt k (the call's :mod:`~river_hf.river.draft_schedule`)."""
         now = time.perf_counter()
         verify = 0.0
         if self._verify_start is not None and self._prefilled:
@@ -310,11 +309,8 @@ class ExitPathDrafter(CandidateGenerator):
         self.record["accepted"] += num_matches
         self.record["exit_verify_seconds"] += verify
         self.gate.update("exit", num_matches + 1, round_seconds)
-        if self.schedule == "heuristic":
-            if num_matches == self._drafted_now:
-                self.num_draft_tokens = min(self.num_draft_tokens + 2, self.max_draft_tokens)
-            else:
-                self.num_draft_tokens = max(1, self.num_draft_tokens - 1)
+        self.num_draft_tokens = self.schedule.update([num_matches], [self._drafted_now], round_seconds - verify,
+                                                     self._drafted_now, verify)
 
     @staticmethod
     def stats(record: dict) -> dict:

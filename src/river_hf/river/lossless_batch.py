@@ -44,6 +44,7 @@ from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalizati
                           TypicalLogitsWarper)
 
 from .cache import RiverCache
+from .draft_schedule import make_schedule
 from .layer import EXIT_ONLY, ROUTE
 from .rows import position_ids
 
@@ -290,7 +291,8 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
         record.setdefault(key, 0.0)
     record.setdefault("draft_exit_layers", [])
     record.update(batch_size=plan.input_ids.shape[0], draft_path=call.draft_path)
-    k = config.draft_tokens
+    schedule = make_schedule(config.draft_schedule, config.draft_tokens, config.max_draft_tokens)
+    k = schedule.k
     if plan.streamer is not None:
         plan.streamer.put(plan.input_ids.cpu())  # the prompt, once, as generate puts it
     with torch.no_grad():
@@ -317,19 +319,19 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
             record["last_round_end"] = now
             record["verify_passes"] += 1
             if drafts.shape[1]:
-                k = _judge_round(record, config, k, n[live], limit[live])
+                k = _judge_round(record, schedule, n[live], limit[live], verify_start - start, drafts.shape[1],
+                                 now - verify_start)
             _stream_columns(state, plan)
     _stream_columns(state, plan, final=True)
     return _sequences(state, plan)
 
 
-def _judge_round(record: dict, config, k: int, n: torch.Tensor, limit: torch.Tensor) -> int:
-    """Count a round's live rows (accepted ``n``, judged ``limit``) and return the next k:
-    transformers' ``heuristic`` schedule on the batch's slowest row (+2 when every live row
-    accepted every draft, else -1), or k unchanged (``constant``)."""
+def _judge_round(record: dict, schedule, n: torch.Tensor, limit: torch.Tensor, draft_seconds: float,
+                 draft_passes: int, verify_seconds: float) -> int:
+    """Count a round's live rows (accepted ``n``, judged ``limit``) and return the next k from the
+    call's :mod:`~river_hf.river.draft_schedule` (every live row's outcome: the ``heuristic``
+    schedule grows k only when every row accepted every draft it judged)."""
     record["rounds"] += int(n.numel())
     record["drafted"] += int(limit.sum())
     record["accepted"] += int(n.sum())
-    if config.draft_schedule != "heuristic":
-        return k
-    return min(k + 2, config.max_draft_tokens) if bool((n == limit).all()) else max(1, k - 1)
+    return schedule.update(n.tolist(), limit.tolist(), draft_seconds, draft_passes, verify_seconds)

@@ -1,0 +1,74 @@
+"""Lossless mode's draft-length schedules (river_hf.river.draft_schedule): the rules on scripted
+round outcomes, and the exactness switch (lossless gives the plain model's tokens) under each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from river_hf import RiverConfig, RiverError
+from river_hf.river.draft_schedule import SCHEDULES, expected_tokens_per_cost, make_schedule
+from test_lossless import GEN, prompt, river_copy
+from test_lossless_batch import left_padded
+from test_river_core import tiny_model
+
+
+def test_unknown_schedule_and_bad_bounds_are_refused():
+    with pytest.raises(RiverError, match="draft_schedule must be one of heuristic, constant, cost"):
+        make_schedule("sometimes", 4, 15)
+    with pytest.raises(RiverError, match="1 <= first"):
+        make_schedule("cost", 0, 15)
+    with pytest.raises(RiverError, match="1 <= first"):
+        make_schedule("cost", 8, 4)
+    with pytest.raises(RiverError, match="draft_schedule"):
+        RiverConfig(draft_schedule="sometimes")
+    assert RiverConfig(draft_schedule="cost").draft_schedule == "cost"
+
+
+def test_heuristic_is_transformers_plus_two_minus_one_within_bounds():
+    s = make_schedule("heuristic", 4, 7)
+    assert [s.update([4], [4], 0.1, 4, 0.5), s.update([6], [6], 0.1, 6, 0.5), s.update([2], [7], 0.1, 7, 0.5)] == [6, 7, 6]
+    assert s.update([6, 3], [6, 6], 0.1, 6, 0.5) == 5  # a batch grows k only when every row took every draft
+    low = make_schedule("heuristic", 1, 7)
+    assert low.update([0], [1], 0.1, 1, 0.5) == 1
+    const = make_schedule("constant", 3, 9)
+    assert [const.update([3], [3], 0.1, 3, 0.5), const.update([0], [3], 0.1, 3, 0.5)] == [3, 3]
+
+
+def test_cost_schedule_takes_the_best_k_of_leviathan_et_al():
+    """After each scripted round the k taken maximises (1 - a^(k+1)) / ((1 - a)(k c + 1)) over 1..most,
+    a = (accepted + 1) / (accepted + rejections + 2), c = (draft s / passes) / (verify s / rounds)."""
+    s = make_schedule("cost", 4, 15)
+    rounds = [([4], [4], 0.04, 4, 0.1), ([6], [6], 0.06, 6, 0.1), ([2], [9], 0.09, 9, 0.1), ([0], [5], 0.05, 5, 0.1)]
+    acc = rej = passes = 0
+    ds = vs = 0.0
+    ks = []
+    for i, (a, j, d, p, v) in enumerate(rounds, 1):
+        k = s.update(a, j, d, p, v)
+        acc, rej, passes, ds, vs = acc + a[0], rej + (a[0] < j[0]), passes + p, ds + d, vs + v
+        alpha, c = (acc + 1) / (acc + rej + 2), (ds / passes) / (vs / i)
+        assert k == max(range(1, 16), key=lambda n: expected_tokens_per_cost(alpha, n, c))
+        ks.append(k)
+    assert ks[1] > ks[0] > 4 and ks[3] < ks[2] < ks[1]  # full rounds raise k, rejections lower it
+    sure = make_schedule("cost", 4, 15)
+    for _ in range(6):  # every draft accepted, drafts cheap: k climbs to the cap
+        k = sure.update([sure.k], [sure.k], 0.01 * sure.k, sure.k, 0.1)
+    assert k == 15
+    poor = make_schedule("cost", 4, 15)
+    for _ in range(6):  # nothing accepted, drafts as dear as a verify: one draft a round
+        k = poor.update([0], [poor.k], 0.1 * poor.k, poor.k, 0.1)
+    assert k == 1
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_schedule_gives_the_plain_models_tokens(schedule):
+    """The exactness switch: lossless is the plain model's greedy output, one row and a padded batch."""
+    base = tiny_model("qwen2")
+    river = river_copy(base, config=RiverConfig(lossless=True, draft_tokens=2, max_draft_tokens=6,
+                                                draft_schedule=schedule))
+    ids = prompt(12)
+    assert torch.equal(river.generate(ids, max_new_tokens=30, **GEN), base.generate(ids, max_new_tokens=30, **GEN))
+    assert river.river_stats["lossless"]["drafts_per_verify"] <= 6
+    ids, mask = left_padded()
+    ref = base.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **GEN)
+    assert torch.equal(river.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **GEN), ref)
