@@ -146,8 +146,8 @@ class RiverConfig:
         draft_schedule: lossless mode, how k changes from round to round (:mod:`.draft_schedule`):
             ``heuristic`` (k + 2 after a fully accepted round, k - 1 otherwise, as transformers'
             ``num_assistant_tokens_schedule="heuristic"``), ``constant``, or ``cost`` (the k with the
-            most expected tokens per second from the call's acceptance rate and measured draft and
-            verify times: Leviathan et al. 2023, §3.5).
+            most expected tokens per unit of cost from the call's acceptance so far and the draft
+            passes' weight bytes over a verify pass's: Leviathan et al. 2023, §3.5).
         prompt_lookup_tokens: lossless mode: when > 0, a round whose last tokens occurred earlier
             in the sequence proposes the up to this many tokens that followed them (prompt lookup
             decoding, no draft pass) instead of drafting through the exit path; 0: off.

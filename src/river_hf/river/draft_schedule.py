@@ -7,14 +7,16 @@ one fresh instance per ``generate`` call, fed each round's outcome by whoever ru
 - ``heuristic``: transformers' ``num_assistant_tokens_schedule="heuristic"`` (+2 after a round in
   which every draft was accepted, -1 otherwise);
 - ``constant``: k never changes;
-- ``cost``: the k that maximises expected tokens per second under the i.i.d. acceptance model of
-  Leviathan et al. 2023 (*Fast Inference from Transformers via Speculative Decoding*, §3.4-3.5):
-  a round of k drafts yields ``(1 - α^(k+1)) / (1 - α)`` tokens (Theorem 3.8) and costs
-  ``k * c + 1`` verify passes' time, ``c`` being a draft pass's time over a verify pass's.
-  α is the acceptance probability per draft token estimated by Laplace's rule of succession,
-  ``(accepted + 1) / (accepted + rejections + 2)`` (a rejection: a round that stopped before its
-  last draft), and ``c`` the call's own measured draft and verify seconds so far (both taken in
-  the same call, so a busy machine slows both alike). k stays between 1 and the call's most.
+- ``cost``: the k that maximises expected tokens per unit of cost under the i.i.d. acceptance
+  model of Leviathan et al. 2023 (*Fast Inference from Transformers via Speculative Decoding*,
+  §3.4-3.5): a round of k drafts yields ``(1 - α^(k+1)) / (1 - α)`` tokens (their Theorem 3.8)
+  and costs ``k * c + 1`` verify passes, ``c`` being a draft pass's cost over a verify pass's.
+  α is the acceptance probability per draft estimated with the Jeffreys prior (the
+  Krichevsky-Trofimov estimate), ``(accepted + 1/2) / (accepted + rejections + 1)`` (a rejection:
+  a row's round that stopped before its last draft); ``c`` is the weight bytes the call's draft
+  passes read over those of a verify pass (:func:`bytes_cost`: decode on CPUs streams weights).
+  Both come from the tokens alone, never from a clock, so a seeded sampling call draws the same
+  tokens every time and a busy machine changes nothing.
 
 Every schedule keeps k within ``[1, most]``; the first round drafts ``first`` (``RiverConfig``'s
 ``draft_tokens``).
@@ -25,7 +27,7 @@ from __future__ import annotations
 from ..errors import RiverError
 
 __all__ = ["DraftSchedule", "HeuristicSchedule", "ConstantSchedule", "CostSchedule", "register_schedule",
-           "make_schedule", "SCHEDULES", "expected_tokens_per_cost"]
+           "make_schedule", "SCHEDULES", "expected_tokens_per_cost", "bytes_cost"]
 
 #: registered schedules by name (:func:`register_schedule`)
 SCHEDULES: dict[str, type] = {}
@@ -60,17 +62,24 @@ class DraftSchedule:
         self.k = first
         self.most = most
 
-    def update(self, accepted: list[int], judged: list[int], draft_seconds: float, draft_passes: int,
-               verify_seconds: float) -> int:
+    def update(self, accepted: list[int], judged: list[int], draft_passes: int, draft_cost: float) -> int:
         """Take one round's outcome and return the next k.
 
         Args:
             accepted: drafts each live row accepted (batch 1: one entry).
             judged: drafts each of those rows had judged (its drafts, cut at its length limit).
-            draft_seconds: wall seconds the round spent drafting; ``draft_passes`` draft forward passes.
-            verify_seconds: wall seconds of the round's verify (forward pass and acceptance).
+            draft_passes: the round's draft forward passes.
+            draft_cost: what they cost in verify passes (:func:`bytes_cost`).
         """
         raise NotImplementedError
+
+
+def bytes_cost(model, exit_layers: list[int]) -> float:
+    """The cost of draft passes that left the backbone at ``exit_layers`` (one entry per pass) in
+    verify passes: the sum of the weight bytes each read (``model.river_step_bytes(e)``) over the
+    bytes of one pass on the backbone (``model.river_step_bytes(L)``)."""
+    full = model.river_step_bytes(model.river.num_layers)
+    return sum(model.river_step_bytes(e) for e in exit_layers) / full
 
 
 @register_schedule
@@ -79,7 +88,7 @@ class HeuristicSchedule(DraftSchedule):
 
     name = "heuristic"
 
-    def update(self, accepted, judged, draft_seconds, draft_passes, verify_seconds) -> int:
+    def update(self, accepted, judged, draft_passes, draft_cost) -> int:
         full = all(a == j for a, j in zip(accepted, judged))
         self.k = min(self.k + 2, self.most) if full else max(1, self.k - 1)
         return self.k
@@ -91,7 +100,7 @@ class ConstantSchedule(DraftSchedule):
 
     name = "constant"
 
-    def update(self, accepted, judged, draft_seconds, draft_passes, verify_seconds) -> int:
+    def update(self, accepted, judged, draft_passes, draft_cost) -> int:
         return self.k
 
 
@@ -104,31 +113,29 @@ def expected_tokens_per_cost(alpha: float, k: int, c: float) -> float:
 
 @register_schedule
 class CostSchedule(DraftSchedule):
-    """The k with the most expected tokens per second (module docstring: Leviathan et al. 2023 §3.5,
-    α by Laplace's rule of succession, ``c`` from the call's measured seconds)."""
+    """The k with the most expected tokens per unit of cost (module docstring: Leviathan et al.
+    2023 §3.5; α by the Krichevsky-Trofimov estimate, ``c`` from the draft passes' weight bytes)."""
 
     name = "cost"
 
     def __init__(self, first: int, most: int):
         super().__init__(first, most)
-        self.accepted = self.rejections = self.passes = self.verifies = 0
-        self.draft_seconds = self.verify_seconds = 0.0
+        self.accepted = self.rejections = self.passes = 0
+        self.draft_cost = 0.0
 
     @property
     def alpha(self) -> float:
-        """The acceptance probability per draft so far (Laplace's rule of succession)."""
-        return (self.accepted + 1) / (self.accepted + self.rejections + 2)
+        """The acceptance probability per draft so far (Krichevsky-Trofimov: the Jeffreys prior)."""
+        return (self.accepted + 0.5) / (self.accepted + self.rejections + 1)
 
-    def update(self, accepted, judged, draft_seconds, draft_passes, verify_seconds) -> int:
+    def update(self, accepted, judged, draft_passes, draft_cost) -> int:
         self.accepted += sum(accepted)
         self.rejections += sum(a < j for a, j in zip(accepted, judged))
         self.passes += draft_passes
-        self.verifies += 1
-        self.draft_seconds += draft_seconds
-        self.verify_seconds += verify_seconds
-        if self.passes == 0 or self.verify_seconds <= 0.0:
+        self.draft_cost += draft_cost
+        if self.passes == 0:
             return self.k
-        c = (self.draft_seconds / self.passes) / (self.verify_seconds / self.verifies)
+        c = self.draft_cost / self.passes
         alpha, k = self.alpha, 1
         # the ratio of a concave numerator to a positive affine denominator rises, then falls: climb
         while k < self.most and expected_tokens_per_cost(alpha, k + 1, c) > expected_tokens_per_cost(alpha, k, c):

@@ -23,7 +23,7 @@ from ..compat import eos_token_ids
 from ..errors import RiverError
 from .arch import decoder_stack
 from .config import DRAFT_PATHS, DRAFT_SCHEDULES, PROMPT_LOOKUP_RULES
-from .draft_schedule import make_schedule
+from .draft_schedule import bytes_cost, make_schedule
 from .layer import EXIT_ONLY, ROUTE
 
 __all__ = ["ExitPathDrafter", "LookupGate"]
@@ -309,8 +309,9 @@ class ExitPathDrafter(CandidateGenerator):
         self.record["accepted"] += num_matches
         self.record["exit_verify_seconds"] += verify
         self.gate.update("exit", num_matches + 1, round_seconds)
-        self.num_draft_tokens = self.schedule.update([num_matches], [self._drafted_now], round_seconds - verify,
-                                                     self._drafted_now, verify)
+        passes = self._drafted_now
+        cost = bytes_cost(self.model, self.record["draft_exit_layers"][-passes:])
+        self.num_draft_tokens = self.schedule.update([num_matches], [passes], passes, cost)
 
     @staticmethod
     def stats(record: dict) -> dict:

@@ -44,7 +44,7 @@ from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalizati
                           TypicalLogitsWarper)
 
 from .cache import RiverCache
-from .draft_schedule import make_schedule
+from .draft_schedule import bytes_cost, make_schedule
 from .layer import EXIT_ONLY, ROUTE
 from .rows import position_ids
 
@@ -319,19 +319,20 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
             record["last_round_end"] = now
             record["verify_passes"] += 1
             if drafts.shape[1]:
-                k = _judge_round(record, schedule, n[live], limit[live], verify_start - start, drafts.shape[1],
-                                 now - verify_start)
+                passes = drafts.shape[1]
+                cost = bytes_cost(model, record["draft_exit_layers"][-passes:])
+                k = _judge_round(record, schedule, n[live], limit[live], passes, cost)
             _stream_columns(state, plan)
     _stream_columns(state, plan, final=True)
     return _sequences(state, plan)
 
 
-def _judge_round(record: dict, schedule, n: torch.Tensor, limit: torch.Tensor, draft_seconds: float,
-                 draft_passes: int, verify_seconds: float) -> int:
+def _judge_round(record: dict, schedule, n: torch.Tensor, limit: torch.Tensor, draft_passes: int,
+                 draft_cost: float) -> int:
     """Count a round's live rows (accepted ``n``, judged ``limit``) and return the next k from the
     call's :mod:`~river_hf.river.draft_schedule` (every live row's outcome: the ``heuristic``
     schedule grows k only when every row accepted every draft it judged)."""
     record["rounds"] += int(n.numel())
     record["drafted"] += int(limit.sum())
     record["accepted"] += int(n.sum())
-    return schedule.update(n.tolist(), limit.tolist(), draft_seconds, draft_passes, verify_seconds)
+    return schedule.update(n.tolist(), limit.tolist(), draft_passes, draft_cost)
