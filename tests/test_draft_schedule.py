@@ -99,3 +99,24 @@ def test_a_seeded_sampling_call_draws_the_same_tokens_every_time(batch):
         outs.append(river.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=True,
                                    temperature=1.5))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_a_schedule_registered_later_is_accepted_by_the_config():
+    from river_hf.river.draft_schedule import ConstantSchedule, register_schedule
+
+    @register_schedule
+    class Twice(ConstantSchedule):
+        name = "test-twice"
+
+        def update(self, accepted, judged, draft_passes, draft_cost):
+            self.k = min(2 * self.k, self.most)
+            return self.k
+
+    try:
+        assert RiverConfig(draft_schedule="test-twice").draft_schedule == "test-twice"
+        s = make_schedule("test-twice", 2, 5)
+        assert [s.update([2], [2], 2, 0.2), s.update([4], [4], 4, 0.4)] == [4, 5]
+        with pytest.raises(RiverError, match="1 <= first"):
+            make_schedule("test-twice", True, 5)
+    finally:
+        SCHEDULES.pop("test-twice")

@@ -23,7 +23,7 @@ from .layer import PREFILL_POLICIES
 from .strategies import STRATEGIES
 
 #: lossless-mode choices (defined here, at the bottom of the import graph; :mod:`.lossless` reuses them)
-DRAFT_SCHEDULES = tuple(SCHEDULES)  # heuristic, constant, cost (:mod:`.draft_schedule`)
+DRAFT_SCHEDULES = tuple(SCHEDULES)  # the built-in ones; validation reads the live registry (:mod:`.draft_schedule`)
 VERIFY_KERNELS = ("auto", "onednn", "torch")  # also the values of backbone_kernel
 #: where a lossless draft pass runs: ``route`` (River's exit path: backbone layers until the draft
 #: rules say exit, then exit layers) or ``exit`` (every layer its exit copy: no backbone layer)
@@ -136,7 +136,7 @@ class RiverConfig:
         lossless: run ``generate`` in lossless mode by default (the exit path drafts, the backbone
             verifies: the unmodified model's tokens; :mod:`river_hf.river.lossless`); a saved
             River folder and its pipeline then default to it. ``model.river_mode(...)`` overrides it.
-        draft_tokens: lossless mode: drafts of the first round, k (>= 1).
+        draft_tokens: lossless mode: drafts of the first round that drafts (after the prefill), k (>= 1).
         max_draft_tokens: lossless mode: the most drafts one round may propose (>= ``draft_tokens``),
             however many rounds in a row were fully accepted, so a verify pass never runs more than
             ``max_draft_tokens + 1`` rows (the rows the prepacked verify kernel is used for). The
@@ -270,8 +270,8 @@ class RiverConfig:
                 or self.max_draft_tokens < self.draft_tokens):
             raise RiverError(f"max_draft_tokens must be an integer >= draft_tokens ({self.draft_tokens}), "
                              f"got {self.max_draft_tokens!r}")
-        if self.draft_schedule not in DRAFT_SCHEDULES:
-            raise RiverError(f"draft_schedule must be one of {', '.join(DRAFT_SCHEDULES)}, got {self.draft_schedule!r}")
+        if self.draft_schedule not in SCHEDULES:  # the registry itself: schedules registered later count
+            raise RiverError(f"draft_schedule must be one of {', '.join(SCHEDULES)}, got {self.draft_schedule!r}")
         if (isinstance(self.prompt_lookup_tokens, bool) or not isinstance(self.prompt_lookup_tokens, int)
                 or self.prompt_lookup_tokens < 0):
             raise RiverError(f"prompt_lookup_tokens must be an integer >= 0 (0: off), got {self.prompt_lookup_tokens!r}")

@@ -18,8 +18,9 @@ one fresh instance per ``generate`` call, fed each round's outcome by whoever ru
   Both come from the tokens alone, never from a clock, so a seeded sampling call draws the same
   tokens every time and a busy machine changes nothing.
 
-Every schedule keeps k within ``[1, most]``; the first round drafts ``first`` (``RiverConfig``'s
-``draft_tokens``).
+Every schedule keeps k within ``[1, most]``; the first round that drafts (after the prefill)
+drafts ``first`` (``RiverConfig``'s ``draft_tokens``), fewer where an EOS or the length limit
+ends it.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ def make_schedule(name: str, first: int, most: int) -> "DraftSchedule":
     """A fresh schedule ``name`` for one call, starting at k = ``first``, never above ``most``.
 
     Raises:
-        RiverError: an unknown ``name``, or ``first`` / ``most`` not integers with 1 <= first <= most.
+        RiverError: an unknown ``name``, or ``first`` / ``most`` not integers (bools refused) with
+            1 <= first <= most.
     """
     cls = SCHEDULES.get(name)
     if cls is None:
         raise RiverError(f"draft_schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
-    if not isinstance(first, int) or not isinstance(most, int) or not 1 <= first <= most:
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (first, most)) or not 1 <= first <= most:
         raise RiverError(f"a draft schedule needs 1 <= first ({first!r}) <= most ({most!r})")
     return cls(first, most)
 
@@ -96,7 +98,7 @@ class HeuristicSchedule(DraftSchedule):
 
 @register_schedule
 class ConstantSchedule(DraftSchedule):
-    """k stays what the first round drafted."""
+    """k stays ``first`` (a round cut short by an EOS or the length limit does not change it)."""
 
     name = "constant"
 
