@@ -34,6 +34,9 @@ each (every row exactly ``--new-tokens``; tokens/s count every row's tokens). Me
   exit layers are River's own fused layers over stacked q/k/v and gate/up products (``FUSED``:
   ``exit_layer_impl="auto"``, ``fuse_projections=True``; the backbone is the same architecture code), so
   fused against architecture exit layers is read from one run;
+- ``lossless[KEY=VALUE;...]``: ``lossless`` with these ``RiverConfig`` fields replaced for its
+  calls (values JSON or strings, e.g. ``lossless[draft_schedule=cost-flat]``), so settings are
+  compared in one run, at any ``--batch``;
 - ``llama.cpp``: llama-cpp-python on the very GGUF the fp32 checkpoint was dequantized from
   (``river_hf.models.gguf_file``), ``--threads`` threads, fed the same prompt token ids; only
   when ``llama_cpp`` imports (it builds from its PyPI sdist; not a dependency of river-hf).
@@ -67,8 +70,8 @@ import time
 import torch
 
 from river_hf.bench_harness import (EOS_SUPPRESSED, LlamaCppRunner, available, config_overrides, exact_generation,
-                                    left_padded, parse_prompt_sets, plain_onednn_mode, prompt_kernels_off,
-                                    prompt_texts)
+                                    left_padded, lossless_settings, parse_prompt_sets, plain_onednn_mode,
+                                    prompt_kernels_off, prompt_texts, split_methods)
 from river_hf.bench_harness.output import command_line, compare_protocol, write_report
 
 METHODS = ("unmodified", "river", "exit", "exit-noprompt", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16",
@@ -76,6 +79,17 @@ METHODS = ("unmodified", "river", "exit", "exit-noprompt", "lossless", "unmodifi
 #: what the ``-fused`` methods change: River's own fused exit layers over stacked q/k/v and gate/up products
 #: (a second River model, same kernels chosen by the same rules)
 FUSED = {"exit_layer_impl": "auto", "fuse_projections": True}
+
+
+@contextlib.contextmanager
+def settings(model, fields: dict):
+    """Within the block ``model.river_config`` has ``fields`` replaced (read at each call)."""
+    old = model.river_config
+    model.river_config = dataclasses.replace(old, **fields)
+    try:
+        yield
+    finally:
+        model.river_config = old
 
 
 @contextlib.contextmanager
@@ -111,9 +125,13 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     has_llama = available()
-    methods = [m.strip() for m in args.methods.split(",")] if args.methods else [  # exit-noprompt only when named
+    methods = split_methods(args.methods) if args.methods else [  # exit-noprompt only when named
         m for m in METHODS if (m != "llama.cpp" or has_llama) and m != "exit-noprompt"]
-    unknown = [m for m in methods if m not in METHODS]
+    try:
+        variants = {m: lossless_settings(m) for m in methods if m.startswith("lossless[")}
+    except ValueError as e:
+        ap.error(str(e))
+    unknown = [m for m in methods if m not in METHODS and m not in variants]
     if unknown or "unmodified" not in methods:
         ap.error(f"--methods: unknown {unknown}" if unknown else "--methods must include unmodified")
     if "llama.cpp" in methods and not has_llama:
@@ -200,13 +218,14 @@ def main(argv=None) -> int:
                 onednn = method.endswith("-onednn")
                 noprompt = method.endswith("-noprompt")
                 base = method.removesuffix("-bf16").removesuffix("-onednn").removesuffix("-noprompt").removesuffix("-fused")
-                base = base.removesuffix("-mkl")
+                base = "lossless" if method in variants else base.removesuffix("-mkl")
                 model = (plain16 if bf16 else plain) if base == "unmodified" else (river16 if bf16 else river)
                 if method.endswith("-fused"):
                     model = river_fused
                 timer = TokenTimer()
                 mode = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(base)
-                with torch.no_grad(), (model.river_mode(mode) if mode else contextlib.nullcontext()), \
+                with torch.no_grad(), (settings(model, variants[method]) if method in variants
+                                       else contextlib.nullcontext()), (model.river_mode(mode) if mode else contextlib.nullcontext()), \
                         (packed if onednn else contextlib.nullcontext()), \
                         (prompt_kernels_off(model) if noprompt else contextlib.nullcontext()), \
                         (backbone_kernel(model, "torch") if method.endswith("-mkl") else contextlib.nullcontext()):

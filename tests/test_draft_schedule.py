@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from river_hf import RiverConfig, RiverError
-from river_hf.river.draft_schedule import SCHEDULES, bytes_cost, expected_tokens_per_cost, make_schedule
+from river_hf.river.draft_schedule import SCHEDULES, bytes_cost, expected_tokens_per_cost, make_schedule, row_cost_curve
 from test_lossless import GEN, prompt, river_copy
 from test_lossless_batch import left_padded
 from test_river_core import tiny_model
@@ -61,6 +61,32 @@ def test_cost_schedule_takes_the_best_k_of_leviathan_et_al():
     batch = make_schedule("cost", 4, 15)  # a batch: every row's drafts and rejections count
     batch.update([4, 1], [4, 4], 4, 0.4)
     assert batch.alpha == (5 + 0.5) / (5 + 1 + 1)
+
+
+def test_row_cost_curve_interpolates_and_extends_its_end_segments():
+    v = row_cost_curve([(16, 1.0), (1, 1.0), (64, 2.5), (32, 1.5)])  # any order in, sorted
+    assert v.points == ((1, 1.0), (16, 1.0), (32, 1.5), (64, 2.5))
+    assert [v(1), v(8), v(24), v(48), v(64)] == [1.0, 1.0, 1.25, 2.0, 2.5]
+    assert v(128) == 4.5 and v(0) == 1.0  # past the ends: along the end segments
+    assert row_cost_curve([(1, 1.0), (2, 0.0)])(10) == 0.0  # never below 0
+    for bad in ([(1, 1.0)], [(1, 1.0), (1, 2.0)]):
+        with pytest.raises(ValueError, match="two or more distinct"):
+            row_cost_curve(bad)
+
+
+def test_cost_schedule_prices_the_verify_by_its_rows():
+    """With v(R) the verify's cost at R = rows x (k + 1), the k taken maximises
+    (1 - a^(k+1)) / ((1 - a)(k c + v(R))): a batch of 4 whose verifies turn dear past 16 rows
+    drafts shorter than one row does, or than a batch priced flat (the paper's v = 1)."""
+    v = row_cost_curve([(1, 1.0), (16, 1.0), (32, 1.2), (64, 2.7), (128, 5.4)])
+    outcomes = ([15] * 4, [15] * 4, 15, 0.125 * 15)  # every row accepted all 15 drafts
+    one, flat, priced = make_schedule("cost", 15, 15, v), make_schedule("cost", 15, 15), make_schedule("cost", 15, 15, v)
+    k_one = one.update(outcomes[0][:1], outcomes[1][:1], outcomes[2], outcomes[3])
+    k_flat, k_priced = flat.update(*outcomes), priced.update(*outcomes)
+    assert k_one == k_flat == 15  # one row: 16 rows cost one pass, as the flat price says
+    alpha, c = (60 + 0.5) / (60 + 0 + 1), 0.125
+    assert k_priced == max(range(1, 16), key=lambda n: expected_tokens_per_cost(alpha, n, c, v(4 * (n + 1))))
+    assert k_priced < 15
 
 
 def test_the_cost_is_the_draft_passes_weight_bytes_over_a_verify_pass():
@@ -120,3 +146,37 @@ def test_a_schedule_registered_later_is_accepted_by_the_config():
             make_schedule("test-twice", True, 5)
     finally:
         SCHEDULES.pop("test-twice")
+
+
+def test_verify_row_costs_are_measured_once_on_the_verify_kernel_and_reported(monkeypatch, tmp_path):
+    """The curve's points: the backbone's MLP shape timed at each of COST_ROWS on the kernel the
+    verify mode runs that many rows on, over that kernel's one-row time; cached on the model, in
+    kernels.json, and reported in river_stats; None without a tuner (RIVER_HF_AUTOTUNE=0)."""
+    from river_hf.quant.dense import PrepackedLinear
+    from river_hf.river import verify_kernel
+
+    base = tiny_model("qwen2")
+    river = river_copy(base, config=RiverConfig(lossless=True))
+    assert verify_kernel.verify_row_costs(river, None) is None  # RIVER_HF_AUTOTUNE=0 in the tests
+    timed = []
+
+    def measure(i, o, rows, **kw):  # oneDNN: flat to 16 rows, then linear in the rows; F.linear: linear from 1
+        timed.append(rows)
+        return {"torch": 10.0 * rows, "onednn": 100.0 * max(1.0, rows / 16)}
+
+    monkeypatch.setattr(PrepackedLinear, "measure", staticmethod(measure))
+    monkeypatch.delenv("RIVER_HF_AUTOTUNE", raising=False)
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path))
+
+    class Mode:  # a verify mode that reroutes 2..64 rows to oneDNN
+        min_rows, max_rows = 2, 64
+
+    v = verify_kernel.verify_row_costs(river, Mode())
+    assert sorted(timed) == list(verify_kernel.COST_ROWS)
+    # 1 and 128 rows on F.linear (10 us a row over 10 us), 8..64 on oneDNN (over oneDNN's 100 us at one row)
+    assert v.points == ((1, 1.0), (8, 1.0), (16, 1.0), (32, 2.0), (64, 4.0), (128, 128.0))
+    assert verify_kernel.verify_row_costs(river, None) is v and len(timed) == len(verify_kernel.COST_ROWS)
+    other = river_copy(base, config=RiverConfig(lossless=True))  # another model: kernels.json, no timing
+    assert verify_kernel.verify_row_costs(other, Mode()).points == v.points and len(timed) == len(verify_kernel.COST_ROWS)
+    river.generate(prompt(), max_new_tokens=8, **GEN)
+    assert river.river_stats["lossless"]["verify_row_costs"] == [list(p) for p in v.points]

@@ -262,23 +262,29 @@ def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch, 
     monkeypatch.setattr(verify_kernel, "available_memory_bytes", lambda: 100 * need)
     timed = []
     prompt_winner = {"torch": 2.0, "onednn": 1.0}
+    one_row_winner = {"torch": 2.0, "onednn": 1.0}
     monkeypatch.setattr(PrepackedLinear, "measure", staticmethod(
-        lambda i, o, rows, **kw: timed.append((i, o, rows)) or (dict(prompt_winner) if rows == verify_kernel.PROMPT_TIMED_ROWS
-                                                                else {"torch": 2.0, "onednn": 1.0})))
+        lambda i, o, rows, **kw: timed.append((i, o, rows)) or dict(
+            prompt_winner if rows == verify_kernel.PROMPT_TIMED_ROWS else one_row_winner if rows == 1
+            else {"torch": 2.0, "onednn": 1.0})))
     monkeypatch.delenv("RIVER_HF_AUTOTUNE", raising=False)
     monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path))  # the one tuner's kernels.json, not the user's
     river = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="auto"))
     ids = prompt(24)  # a prompt pass of more rows than any verify (max_draft_tokens + 1 = 16)
     assert torch.equal(river.generate(ids, max_new_tokens=8, **GEN), base.generate(ids, max_new_tokens=8, **GEN))
     head = base.get_output_embeddings()
-    # the verify rows, then (oneDNN won there) the prompt rows, on the same shape; never the head
-    assert [t[2] for t in timed] == [8, verify_kernel.PROMPT_TIMED_ROWS] and timed[0][:2] != (head.in_features, head.out_features)
+    # the verify rows, then (oneDNN won there) the prompt rows and one row, on the same shape; never the head;
+    # then the rows the cost schedule's verify cost curve adds
+    assert [t[2] for t in timed] == [8, verify_kernel.PROMPT_TIMED_ROWS, 1, 16, 32, 64]
+    assert timed[0][:2] != (head.in_features, head.out_features)
     shapes = [(m.in_features, m.out_features) for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    assert timed[0][:2] == timed[1][:2] == max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1]) == (64, 96)
+    assert timed[0][:2] == timed[1][:2] == timed[2][:2] == max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1]) == (64, 96)
     info = river.river_stats["lossless"]["verify_kernel"]
     assert info["kernel"] == "onednn-prepacked" and info["packed_bytes"] > 0 and info["shape"] == "%dx%d" % timed[0][:2]
     assert info["prompt"] == "onednn-prepacked" and info["prompt_timing_us"] == {"torch": 2.0, "onednn": 1.0}
+    assert info["one_row"] == "onednn-prepacked" and info["one_row_timing_us"] == {"torch": 2.0, "onednn": 1.0}
     mode = river._river_verify_linear[0]
+    assert mode.min_rows == 1  # the prompt pass's one-row LM head call goes to the copy too
     before = mode.calls_rerouted
     with river.river_mode("backbone"), mode:  # a 24-row pass goes through the packed copy
         river(ids)
@@ -286,17 +292,19 @@ def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch, 
     # the decisions are cached with the exit kernels' timings: another model of the same shapes measures nothing
     from river_hf.quant.autotune import read_cache
 
-    dense = sorted(e["rows"] for e in read_cache(tmp_path / "kernels.json")[0].values() if "rows" in e)
-    assert dense == [8, verify_kernel.PROMPT_TIMED_ROWS]  # (beside the exit kernels' one-row entries)
+    dense = sorted(e.get("rows", 1) for e in read_cache(tmp_path / "kernels.json")[0].values()
+                   if sorted(e["candidates"]) == ["onednn", "torch"])  # (beside the exit kernels' entries)
+    assert dense == sorted(verify_kernel.COST_ROWS) == [1, 8, 16, 32, 64, verify_kernel.PROMPT_TIMED_ROWS]
     river_copy(base, config=RiverConfig(lossless=True, verify_kernel="auto")).generate(prompt(), max_new_tokens=8, **GEN)
-    assert len(timed) == 2
-    # where F.linear wins at the prompt's rows, prompt passes stay on it: only verify rows are rerouted
-    prompt_winner = {"torch": 1.0, "onednn": 2.0}
+    assert len(timed) == 6
+    # where F.linear wins at the prompt's rows and at one row, those calls stay on it: only verify rows are rerouted
+    prompt_winner = one_row_winner = {"torch": 1.0, "onednn": 2.0}
     monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "other"))
     river = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="auto"))
     assert torch.equal(river.generate(ids, max_new_tokens=8, **GEN), base.generate(ids, max_new_tokens=8, **GEN))
     info = river.river_stats["lossless"]["verify_kernel"]
-    assert info["kernel"] == "onednn-prepacked" and info["prompt"] == "torch" and river._river_verify_linear[0].max_rows == 16
+    assert info["kernel"] == "onednn-prepacked" and info["prompt"] == "torch" and info["one_row"] == "torch"
+    assert river._river_verify_linear[0].max_rows == 16 and river._river_verify_linear[0].min_rows == 2
 
 
 def test_draft_length_never_exceeds_max_draft_tokens(monkeypatch):

@@ -10,7 +10,11 @@ one fresh instance per ``generate`` call, fed each round's outcome by whoever ru
 - ``cost``: the k that maximises expected tokens per unit of cost under the i.i.d. acceptance
   model of Leviathan et al. 2023 (*Fast Inference from Transformers via Speculative Decoding*,
   §3.4-3.5): a round of k drafts yields ``(1 - α^(k+1)) / (1 - α)`` tokens (their Theorem 3.8)
-  and costs ``k * c + 1`` verify passes, ``c`` being a draft pass's cost over a verify pass's.
+  and costs ``k * c + v(rows * (k + 1))`` one-row backbone passes, ``c`` being a draft pass's cost
+  over a one-row backbone pass's and ``v(R)`` a verify pass of ``R`` rows over a one-row pass
+  (the call's ``verify_cost``: :func:`~river_hf.river.verify_kernel.verify_row_costs`, measured once
+  per machine; 1 at every R where not measured, as in the paper, whose verify cost is the same for
+  any k; ``cost-flat`` keeps that).
   α is the acceptance probability per draft estimated with the Jeffreys prior (the
   Krichevsky-Trofimov estimate), ``(accepted + 1/2) / (accepted + rejections + 1)`` (a rejection:
   a row's round that stopped before its last draft); ``c`` is the weight bytes the call's draft
@@ -27,8 +31,9 @@ from __future__ import annotations
 
 from ..errors import RiverError
 
-__all__ = ["DraftSchedule", "HeuristicSchedule", "ConstantSchedule", "CostSchedule", "register_schedule",
-           "make_schedule", "SCHEDULES", "expected_tokens_per_cost", "bytes_cost"]
+__all__ = ["DraftSchedule", "HeuristicSchedule", "ConstantSchedule", "CostSchedule", "FlatCostSchedule",
+           "register_schedule",
+           "make_schedule", "SCHEDULES", "expected_tokens_per_cost", "bytes_cost", "row_cost_curve"]
 
 #: registered schedules by name (:func:`register_schedule`)
 SCHEDULES: dict[str, type] = {}
@@ -40,8 +45,10 @@ def register_schedule(cls: type) -> type:
     return cls
 
 
-def make_schedule(name: str, first: int, most: int) -> "DraftSchedule":
-    """A fresh schedule ``name`` for one call, starting at k = ``first``, never above ``most``.
+def make_schedule(name: str, first: int, most: int, verify_cost=None) -> "DraftSchedule":
+    """A fresh schedule ``name`` for one call, starting at k = ``first``, never above ``most``;
+    ``verify_cost(rows)`` (a verify pass of ``rows`` rows over a one-row backbone pass: a
+    :func:`row_cost_curve`) or None (1 for any rows).
 
     Raises:
         RiverError: an unknown ``name``, or ``first`` / ``most`` not integers (bools refused) with
@@ -52,23 +59,48 @@ def make_schedule(name: str, first: int, most: int) -> "DraftSchedule":
         raise RiverError(f"draft_schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
     if any(isinstance(v, bool) or not isinstance(v, int) for v in (first, most)) or not 1 <= first <= most:
         raise RiverError(f"a draft schedule needs 1 <= first ({first!r}) <= most ({most!r})")
-    return cls(first, most)
+    return cls(first, most, verify_cost)
+
+
+def row_cost_curve(points):
+    """``v(rows)``: the piecewise-linear interpolation of ``points`` (``((rows, cost), ...)``, at
+    least two, rows ascending), extended past either end along its end segment, never below 0."""
+    points = tuple(sorted((int(r), float(c)) for r, c in points))
+    if len(points) < 2 or len({r for r, _ in points}) != len(points):
+        raise ValueError(f"a row cost curve needs two or more distinct row counts, got {points!r}")
+
+    def cost(rows: int) -> float:
+        i = 1
+        while i < len(points) - 1 and rows > points[i][0]:
+            i += 1
+        (r0, c0), (r1, c1) = points[i - 1], points[i]
+        return max(0.0, c0 + (c1 - c0) * (rows - r0) / (r1 - r0))
+
+    cost.points = points
+    return cost
+
+
+def _flat(rows: int) -> float:
+    return 1.0
 
 
 class DraftSchedule:
-    """Base class: ``k`` (the next round's drafts) and :meth:`update` with a round's outcome."""
+    """Base class: ``k`` (the next round's drafts) and :meth:`update` with a round's outcome;
+    ``verify_cost`` as for :func:`make_schedule`."""
 
     name = ""
 
-    def __init__(self, first: int, most: int):
+    def __init__(self, first: int, most: int, verify_cost=None):
         self.k = first
         self.most = most
+        self.verify_cost = verify_cost or _flat
 
     def update(self, accepted: list[int], judged: list[int], draft_passes: int, draft_cost: float) -> int:
         """Take one round's outcome and return the next k.
 
         Args:
-            accepted: drafts each live row accepted (batch 1: one entry).
+            accepted: drafts each live row accepted (batch 1: one entry; its length is the rows
+                the next verify pass judges for).
             judged: drafts each of those rows had judged (its drafts, cut at its length limit).
             draft_passes: the round's draft forward passes.
             draft_cost: what they cost in verify passes (:func:`bytes_cost`).
@@ -106,22 +138,24 @@ class ConstantSchedule(DraftSchedule):
         return self.k
 
 
-def expected_tokens_per_cost(alpha: float, k: int, c: float) -> float:
-    """Tokens a round of ``k`` drafts yields per verify pass's time (Leviathan et al. 2023, §3.5):
-    ``(1 - alpha^(k+1)) / ((1 - alpha) (k c + 1))``, ``alpha`` in [0, 1) the acceptance probability
-    of one draft, ``c`` >= 0 a draft pass's time over a verify pass's."""
-    return (1.0 - alpha ** (k + 1)) / ((1.0 - alpha) * (k * c + 1.0))
+def expected_tokens_per_cost(alpha: float, k: int, c: float, v: float = 1.0) -> float:
+    """Tokens a round of ``k`` drafts yields per row and per one-row backbone pass's time
+    (Leviathan et al. 2023, §3.5): ``(1 - alpha^(k+1)) / ((1 - alpha) (k c + v))``, ``alpha`` in
+    [0, 1) the acceptance probability of one draft, ``c`` >= 0 a draft pass's time and ``v`` > 0
+    the verify pass's (1 in the paper) over a one-row backbone pass's."""
+    return (1.0 - alpha ** (k + 1)) / ((1.0 - alpha) * (k * c + v))
 
 
 @register_schedule
 class CostSchedule(DraftSchedule):
     """The k with the most expected tokens per unit of cost (module docstring: Leviathan et al.
-    2023 §3.5; α by the Krichevsky-Trofimov estimate, ``c`` from the draft passes' weight bytes)."""
+    2023 §3.5; α by the Krichevsky-Trofimov estimate, ``c`` from the draft passes' weight bytes,
+    the verify's cost ``v`` at the rows it will have: the live rows times k + 1)."""
 
     name = "cost"
 
-    def __init__(self, first: int, most: int):
-        super().__init__(first, most)
+    def __init__(self, first: int, most: int, verify_cost=None):
+        super().__init__(first, most, verify_cost)
         self.accepted = self.rejections = self.passes = 0
         self.draft_cost = 0.0
 
@@ -138,9 +172,27 @@ class CostSchedule(DraftSchedule):
         if self.passes == 0:
             return self.k
         c = self.draft_cost / self.passes
-        alpha, k = self.alpha, 1
-        # the ratio of a concave numerator to a positive affine denominator rises, then falls: climb
-        while k < self.most and expected_tokens_per_cost(alpha, k + 1, c) > expected_tokens_per_cost(alpha, k, c):
+        alpha, rows = self.alpha, max(1, len(accepted))
+
+        def rate(k: int) -> float:
+            return expected_tokens_per_cost(alpha, k, c, self.verify_cost(rows * (k + 1)))
+
+        # a concave numerator over a positive denominator that is convex in k (v growing ever
+        # faster with the rows, or flat) is quasiconcave: it rises, then falls, so climb
+        k = 1
+        while k < self.most and rate(k + 1) > rate(k):
             k += 1
         self.k = k
         return self.k
+
+
+@register_schedule
+class FlatCostSchedule(CostSchedule):
+    """The ``cost`` rule as published (Leviathan et al. 2023, §3.5): a verify pass costs one pass
+    whatever its rows (``verify_cost`` ignored), so k does not shrink as a batch's verify rows
+    grow."""
+
+    name = "cost-flat"
+
+    def __init__(self, first: int, most: int, verify_cost=None):
+        super().__init__(first, most, None)

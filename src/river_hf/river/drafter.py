@@ -110,6 +110,8 @@ class ExitPathDrafter(CandidateGenerator):
         draft_rules: the exit rules of ``route`` draft passes (an ``ExitRuleList``; None: the model's).
         draft_head: a :class:`~river_hf.river.draft_vocab.FrequentVocabHead` the draft passes score
             with instead of the exit head (FR-Spec), or None.
+        verify_cost: ``v(rows)`` for the ``cost`` schedule (:func:`~river_hf.river.draft_schedule.make_schedule`),
+            or None.
 
     Raises:
         RiverError: ``draft_tokens`` < 1, ``max_draft_tokens`` < ``draft_tokens``, an unknown
@@ -122,7 +124,7 @@ class ExitPathDrafter(CandidateGenerator):
     def __init__(self, model, generation_config, logits_processor, draft_tokens: int = 4,
                  schedule: str = "heuristic", record: dict | None = None, prompt_lookup_tokens: int = 0,
                  max_draft_tokens: int | None = None, prompt_lookup_rule: str = "always", draft_path: str = "route",
-                 draft_rules=None, draft_head=None):
+                 draft_rules=None, draft_head=None, verify_cost=None):
         if not isinstance(draft_tokens, int) or draft_tokens < 1:
             raise RiverError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
         self.model = model
@@ -134,7 +136,7 @@ class ExitPathDrafter(CandidateGenerator):
         self.max_draft_tokens = max_draft_tokens if max_draft_tokens is not None else 1 << 30
         if self.max_draft_tokens < draft_tokens:
             raise RiverError(f"max_draft_tokens ({max_draft_tokens}) must be >= draft_tokens ({draft_tokens})")
-        self.schedule = make_schedule(schedule, draft_tokens, self.max_draft_tokens)
+        self.schedule = make_schedule(schedule, draft_tokens, self.max_draft_tokens, verify_cost)
         if draft_path not in DRAFT_PATHS:
             raise RiverError(f"draft_path must be one of {', '.join(DRAFT_PATHS)}, got {draft_path!r}")
         self.draft_mode = EXIT_ONLY if draft_path == "exit" else ROUTE
@@ -328,7 +330,10 @@ class ExitPathDrafter(CandidateGenerator):
         acceptance: the verify forward, its logits processing and the acceptance rule),
         ``mean_draft_exit_layer`` (mean exit layer of the draft passes), ``verify_kernel`` (the
         kernel the verify passes' backbone Linears ran on, why, and the memory its packed copy adds:
-        see :func:`~river_hf.river.verify_kernel.verify_mode`), the draft settings (``draft_path``, ``draft_vocab``: ids of the
+        see :func:`~river_hf.river.verify_kernel.verify_mode`), ``verify_row_costs`` (``[[rows,
+        cost], ...]``: a verify pass of that many rows over a one-row backbone pass, as the ``cost``
+        schedule took it, :func:`~river_hf.river.verify_kernel.verify_row_costs`; None: not
+        measured), the draft settings (``draft_path``, ``draft_vocab``: ids of the
         frequent set, ``draft_vocab_call_ids``: ids of the call's own tokens scored beside it,
         ``prompt_lookup_rule``), and the costs in backbone decode steps: ``backbone_step_seconds``
         (one one-token backbone pass of this model,
@@ -367,6 +372,7 @@ class ExitPathDrafter(CandidateGenerator):
             "verify_seconds": record.get("verify_seconds", 0.0),
             "mean_draft_exit_layer": sum(exits) / len(exits) if exits else None,
             "verify_kernel": record.get("verify_kernel"),
+            "verify_row_costs": record.get("verify_row_costs"),
             "draft_path": record.get("draft_path"),
             "draft_vocab": record.get("draft_vocab"),
             "draft_vocab_call_ids": record.get("draft_vocab_call_ids"),

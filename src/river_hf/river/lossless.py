@@ -48,7 +48,7 @@ from .config import DRAFT_PATHS, DRAFT_SCHEDULES, PROMPT_LOOKUP_RULES, VERIFY_KE
 from .draft_vocab import draft_head_for
 from .drafter import ExitPathDrafter, LookupGate
 from .verify_kernel import (PACK_MEMORY_SHARE, PROMPT_MAX_ROWS, PROMPT_TIMED_ROWS, available_memory_bytes,
-                            backbone_mode, backbone_step_seconds, verify_mode)
+                            backbone_mode, backbone_step_seconds, verify_mode, verify_row_costs)
 
 __all__ = ["ExitPathDrafter", "FirstStop", "LookupGate", "lossless_call", "draft_settings", "cut_at_stop",
            "DRAFT_PATHS", "DRAFT_SCHEDULES", "PROMPT_LOOKUP_RULES", "VERIFY_KERNELS", "verify_mode", "backbone_mode",
@@ -133,7 +133,8 @@ def lossless_call(model, call):
     ``assistant_model``) an :class:`ExitPathDrafter` filling ``call.record``, and forward passes on
     the backbone (prefill, verify) run in the kernel mode of :func:`verify_mode` (River's forward
     hooks enter ``call.verify_linear``; draft passes do not: their Linears are quantized, and
-    one-token calls are fast already). The draft settings (:func:`draft_settings`) are prepared on
+    one-token calls are fast already). The draft settings (:func:`draft_settings`, with the verify
+    pass's cost by its rows, :func:`verify_row_costs`, for the ``cost`` schedule) are prepared on
     entry, before the call's timer starts; after the call the record gets the model's backbone step
     time (:func:`backbone_step_seconds`, measured once per model)."""
     config = model.river_config
@@ -141,5 +142,8 @@ def lossless_call(model, call):
     call.verify_linear, call.record["verify_kernel"] = verify_mode(model, config.verify_kernel,
                                                                    config.max_draft_tokens + 1)
     call.draft_settings = draft_settings(model)
+    curve = verify_row_costs(model, call.verify_linear)
+    call.draft_settings["verify_cost"] = curve
+    call.record["verify_row_costs"] = [list(p) for p in curve.points] if curve is not None else None
     yield call
     call.record["backbone_step_seconds"] = backbone_step_seconds(model)

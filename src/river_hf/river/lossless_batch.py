@@ -291,7 +291,8 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
         record.setdefault(key, 0.0)
     record.setdefault("draft_exit_layers", [])
     record.update(batch_size=plan.input_ids.shape[0], draft_path=call.draft_path)
-    schedule = make_schedule(config.draft_schedule, config.draft_tokens, config.max_draft_tokens)
+    schedule = make_schedule(config.draft_schedule, config.draft_tokens, config.max_draft_tokens,
+                             call.draft_settings.get("verify_cost"))
     k = schedule.k
     if plan.streamer is not None:
         plan.streamer.put(plan.input_ids.cpu())  # the prompt, once, as generate puts it

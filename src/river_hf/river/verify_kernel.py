@@ -21,7 +21,7 @@ from ..quant.dense import PrepackedLinear, onednn_available
 from .layer import BACKBONE_ONLY
 
 __all__ = ["verify_mode", "backbone_mode", "backbone_hooks", "backbone_step_seconds", "available_memory_bytes",
-           "PACK_MEMORY_SHARE", "PROMPT_TIMED_ROWS", "PROMPT_MAX_ROWS"]
+           "verify_row_costs", "PACK_MEMORY_SHARE", "PROMPT_TIMED_ROWS", "PROMPT_MAX_ROWS", "COST_ROWS"]
 
 
 _PACK_LOCK = threading.Lock()
@@ -30,6 +30,9 @@ PACK_MEMORY_SHARE = 0.5  # the packed copy may take at most this share of the me
 PROMPT_TIMED_ROWS = 128
 #: ... and the most rows a prompt pass reroutes to the packed copy when oneDNN won there
 PROMPT_MAX_ROWS = 1 << 20
+#: row counts at which :func:`verify_row_costs` times a backbone product (a batch of 4 with 15
+#: drafts verifies 64 rows, of 8: 128)
+COST_ROWS = (1, 8, 16, 32, 64, 128)
 
 
 def available_memory_bytes() -> int | None:
@@ -81,7 +84,9 @@ def verify_mode(model, choice: str, rows: int):
       calls of up to :data:`PROMPT_MAX_ROWS` rows, so the prompt is read through the packed copy
       as well (on the 2-core AMD EPYC Zen 5, 0.5B: time to first token 0.88 s on ``F.linear``,
       0.41 s for the plain model on the packed copy); ``onednn`` always does. ``info["prompt"]``
-      says which. The timing goes through
+      says which. A one-row call (the prompt pass's LM head, whose ``logits_to_keep=1`` leaves one
+      row; a verify of no draft) goes to the copy where oneDNN also won at one row, the measurement
+      :func:`backbone_mode` takes (``info["one_row"]``); ``onednn`` always. The timing goes through
       :meth:`river_hf.quant.autotune.KernelTuner.choose_mode`: cached in ``kernels.json`` with the
       exit kernels' timings, so a second process on this machine measures nothing.
 
@@ -95,11 +100,13 @@ def verify_mode(model, choice: str, rows: int):
         ``why``, ``packed_bytes`` (memory the copy adds, bytes), ``timing_us`` (the measurement, or
         None), ``shape`` (the timed ``in x out``), ``max_rows`` (the verify rows), ``prompt`` (the
         kernel of prompt passes, ``onednn-prepacked`` or ``torch``), ``prompt_timing_us`` (its
-        measurement at :data:`PROMPT_TIMED_ROWS` rows, or None) and ``repacked`` (weights repacked
-        by this call's refresh).
+        measurement at :data:`PROMPT_TIMED_ROWS` rows, or None), ``one_row`` and
+        ``one_row_timing_us`` (the same at one row) and ``repacked`` (weights repacked by this
+        call's refresh).
     """
     info = {"kernel": "torch", "why": "", "packed_bytes": 0, "timing_us": None, "shape": None,
-            "max_rows": rows, "prompt": "torch", "prompt_timing_us": None, "repacked": 0}
+            "max_rows": rows, "prompt": "torch", "prompt_timing_us": None, "one_row": "torch",
+            "one_row_timing_us": None, "repacked": 0}
     if choice == "torch":
         return None, {**info, "why": "verify_kernel='torch'"}
     if not onednn_available():
@@ -155,12 +162,63 @@ def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
         info["why"] = "prepacked oneDNN measured faster than F.linear"
         best, info["prompt_timing_us"] = faster(PROMPT_TIMED_ROWS)
         prompt = best == "onednn"
+        best, info["one_row_timing_us"] = faster(1)
+        one_row = best == "onednn"
     else:
         info["why"] = "verify_kernel='onednn'"
-        prompt = True
-    mode = PrepackedLinear(linears, max_rows=PROMPT_MAX_ROWS if prompt else max(2, rows))
+        prompt = one_row = True
+    mode = PrepackedLinear(linears, max_rows=PROMPT_MAX_ROWS if prompt else max(2, rows),
+                           min_rows=1 if one_row else 2)
     return mode, {**info, "kernel": "onednn-prepacked", "packed_bytes": mode.packed_bytes,
-                  "prompt": "onednn-prepacked" if prompt else "torch"}
+                  "prompt": "onednn-prepacked" if prompt else "torch",
+                  "one_row": "onednn-prepacked" if one_row else "torch"}
+
+
+def verify_row_costs(model, mode):
+    """``v(rows)``, what a verify pass of ``rows`` rows costs over a one-row backbone pass on this
+    machine, for the ``cost`` draft schedule (:mod:`~river_hf.river.draft_schedule`); None where
+    it is not measured (``RIVER_HF_AUTOTUNE=0``, no oneDNN in this torch, no fp32 CPU backbone
+    Linear): the schedule then takes a verify to cost one pass whatever its rows.
+
+    The backbone's most common Linear shape (the one :func:`verify_mode` times, an MLP
+    projection) is timed at each of :data:`COST_ROWS` rows on the kernel a verify pass of that many
+    rows runs on (``mode``, the call's verify mode: prepacked oneDNN for the rows it reroutes,
+    else ``F.linear``); each point is that time over the same kernel's one-row time, and
+    :func:`~river_hf.river.draft_schedule.row_cost_curve` interpolates between them. Decode streams
+    the weights, so up to some rows a pass costs about one one-row pass; past them the products
+    turn compute-bound (on the 2-core AMD EPYC Zen 5, 0.5B: a batch of 4 verifying 15 drafts a row,
+    64 rows, cost 2.7 one-row passes against 1.5 at its usual 16-28 rows, which the flat cost the
+    schedule had assumed made it draft too long). The timings go through
+    :meth:`river_hf.quant.autotune.KernelTuner.choose_mode`, cached in ``kernels.json`` with the
+    exit kernels' (a second process measures nothing); the curve is kept on the model
+    (``_river_verify_costs``) for its later calls.
+    """
+    cached = model.__dict__.get("_river_verify_costs")
+    if cached is not None:
+        return cached or None
+    from ..quant.autotune import LinearSpec, default_tuner, last_level_cache_bytes
+    from .draft_schedule import row_cost_curve
+
+    tuner = default_tuner()
+    linears = [m for m in model.river_backbone_modules() if isinstance(m, torch.nn.Linear)
+               and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    if tuner is None or not linears or not onednn_available():
+        return None  # not kept: a later call may have a tuner (RIVER_HF_AUTOTUNE set again)
+    head = model.get_output_embeddings()
+    k_in, k_out = _representative_shape(linears, getattr(head, "backbone", head))
+    available = available_memory_bytes() or 0
+    stream = min(2 * last_level_cache_bytes(), int(0.1 * available)) if available else None
+
+    def kernel(rows: int) -> str:
+        return "onednn" if mode is not None and mode.min_rows <= rows <= mode.max_rows else "torch"
+
+    timings = {rows: tuner.choose_mode(LinearSpec(k_in, k_out, False), rows, ("torch", "onednn"),
+                                       lambda rows=rows: PrepackedLinear.measure(k_in, k_out, rows,
+                                                                                 stream_bytes=stream))[1]
+               for rows in COST_ROWS}
+    points = [(rows, timings[rows][kernel(rows)] / timings[1][kernel(rows)]) for rows in COST_ROWS]
+    curve = model._river_verify_costs = row_cost_curve(points)
+    return curve
 
 
 def backbone_mode(model, choice: str):
