@@ -35,32 +35,57 @@ def test_heuristic_is_transformers_plus_two_minus_one_within_bounds():
     assert [const.update([3], [3], 3, 0.3), const.update([0], [3], 3, 0.3)] == [3, 3]
 
 
-def test_cost_schedule_takes_the_best_k_of_leviathan_et_al():
-    """After each scripted round the k taken maximises (1 - a^(k+1)) / ((1 - a)(k c + 1)) over 1..most,
-    a = (accepted + 1/2) / (accepted + rejections + 1), c = the drafts' cost per pass in verify passes."""
+def test_cost_schedule_survival_is_the_product_limit_estimate_shrunk_to_iid():
+    """S(j) multiplies 1 - (rejected_j + (1 - a)) / (reached_j + 1) over the positions (one
+    pseudo-row of the i.i.d. model each), a = (accepted + 1/2) / (accepted + rejections + 1); with
+    no round seen it is the i.i.d. model, S(j) = a^j, whose tokens are Leviathan et al.'s."""
+    fresh = make_schedule("cost", 4, 15)
+    assert fresh.survival(5) == pytest.approx([0.5 ** j for j in range(1, 6)])
+    assert 1 + sum(fresh.survival(5)) == pytest.approx(expected_tokens_per_cost(0.5, 5, 0.0))
     s = make_schedule("cost", 4, 15)
-    rounds = [([4], [4], 4, 0.4), ([6], [6], 6, 0.6), ([2], [9], 9, 0.9), ([0], [5], 5, 0.5)]
-    acc = rej = passes = 0
-    cost = 0.0
-    ks = []
-    for a, j, p, d in rounds:
-        k = s.update(a, j, p, d)
-        acc, rej, passes, cost = acc + a[0], rej + (a[0] < j[0]), passes + p, cost + d
-        alpha, c = (acc + 0.5) / (acc + rej + 1), cost / passes
-        assert k == max(range(1, 16), key=lambda n: expected_tokens_per_cost(alpha, n, c))
-        ks.append(k)
-    assert ks[1] > ks[0] > 4 and ks[3] < ks[2] < ks[1]  # full rounds raise k, rejections lower it
+    k = s.update([2, 4], [4, 4], 4, 0.5)  # a batch of 2: row 0 rejected its draft 3, row 1 took all 4
+    assert (s.reached, s.rejected) == ([2, 2, 2, 1], [0, 0, 1, 0])
+    a = (6 + 0.5) / (6 + 1 + 1)
+    q = 1 - a
+    want, surv = [], 1.0
+    for r in [1 - q / 3, 1 - q / 3, 1 - (1 + q) / 3, 1 - q / 2] + [a] * 11:
+        surv *= r
+        want.append(surv)
+    assert s.survival(15) == pytest.approx(want)
+    c = 0.5 / 4  # the drafts' cost per pass; no verify cost given: one pass whatever the rows
+    assert k == max(range(1, 16), key=lambda n: (1 + sum(want[:n])) / (n * c + 1))
+
+
+def test_cost_schedule_follows_runs_of_acceptance_and_rejection():
     sure = make_schedule("cost", 4, 15)
-    for _ in range(6):  # every draft accepted, drafts cheap: k climbs to the cap
+    for _ in range(3):  # every draft accepted, drafts cheap: k climbs to the cap
         k = sure.update([sure.k], [sure.k], sure.k, 0.01 * sure.k)
     assert k == 15
     poor = make_schedule("cost", 4, 15)
     for _ in range(6):  # nothing accepted, drafts as dear as a verify: one draft a round
         k = poor.update([0], [poor.k], poor.k, 1.0 * poor.k)
     assert k == 1
-    batch = make_schedule("cost", 4, 15)  # a batch: every row's drafts and rejections count
-    batch.update([4, 1], [4, 4], 4, 0.4)
-    assert batch.alpha == (5 + 0.5) / (5 + 1 + 1)
+    early = make_schedule("cost", 15, 15)
+    for _ in range(4):  # every round rejects its 5th draft: k stops near there, not at the cap
+        k = early.update([4], [early.k], early.k, 0.125 * early.k)
+    assert 4 <= k <= 6
+
+
+#: a verify pass's cost by its rows as measured on a 2-core machine (a one-row pass = 1)
+MEASURED = ((1, 1.0), (8, 1.02), (16, 1.40), (32, 2.35), (64, 4.23), (128, 8.30))
+
+
+def test_cost_schedule_prices_the_verify_by_its_rows():
+    """One row that took all 15 drafts keeps k = 15 though its 16-row verify costs 1.4 one-row
+    passes; a batch of 4 that rejects drafts drafts shorter when its verify is priced at 4 (k + 1)
+    rows than when every verify is priced as one pass (cost-flat, the paper's)."""
+    v = row_cost_curve(MEASURED)
+    one = make_schedule("cost", 15, 15, v)
+    assert one.update([15], [15], 15, 0.125 * 15) == 15
+    outcomes = ([15, 6, 15, 9], [15] * 4, 15, 0.125 * 15)  # acceptance 45/60
+    priced, flat = make_schedule("cost", 15, 15, v), make_schedule("cost-flat", 15, 15, v)
+    k_priced, k_flat = priced.update(*outcomes), flat.update(*outcomes)
+    assert k_priced < k_flat and flat.verify_cost(64) == 1.0
 
 
 def test_row_cost_curve_interpolates_and_extends_its_end_segments():
@@ -72,21 +97,6 @@ def test_row_cost_curve_interpolates_and_extends_its_end_segments():
     for bad in ([(1, 1.0)], [(1, 1.0), (1, 2.0)]):
         with pytest.raises(ValueError, match="two or more distinct"):
             row_cost_curve(bad)
-
-
-def test_cost_schedule_prices_the_verify_by_its_rows():
-    """With v(R) the verify's cost at R = rows x (k + 1), the k taken maximises
-    (1 - a^(k+1)) / ((1 - a)(k c + v(R))): a batch of 4 whose verifies turn dear past 16 rows
-    drafts shorter than one row does, or than a batch priced flat (the paper's v = 1)."""
-    v = row_cost_curve([(1, 1.0), (16, 1.0), (32, 1.2), (64, 2.7), (128, 5.4)])
-    outcomes = ([15] * 4, [15] * 4, 15, 0.125 * 15)  # every row accepted all 15 drafts
-    one, flat, priced = make_schedule("cost", 15, 15, v), make_schedule("cost", 15, 15), make_schedule("cost", 15, 15, v)
-    k_one = one.update(outcomes[0][:1], outcomes[1][:1], outcomes[2], outcomes[3])
-    k_flat, k_priced = flat.update(*outcomes), priced.update(*outcomes)
-    assert k_one == k_flat == 15  # one row: 16 rows cost one pass, as the flat price says
-    alpha, c = (60 + 0.5) / (60 + 0 + 1), 0.125
-    assert k_priced == max(range(1, 16), key=lambda n: expected_tokens_per_cost(alpha, n, c, v(4 * (n + 1))))
-    assert k_priced < 15
 
 
 def test_the_cost_is_the_draft_passes_weight_bytes_over_a_verify_pass():

@@ -7,20 +7,25 @@ one fresh instance per ``generate`` call, fed each round's outcome by whoever ru
 - ``heuristic``: transformers' ``num_assistant_tokens_schedule="heuristic"`` (+2 after a round in
   which every draft was accepted, -1 otherwise);
 - ``constant``: k never changes;
-- ``cost``: the k that maximises expected tokens per unit of cost under the i.i.d. acceptance
-  model of Leviathan et al. 2023 (*Fast Inference from Transformers via Speculative Decoding*,
-  §3.4-3.5): a round of k drafts yields ``(1 - α^(k+1)) / (1 - α)`` tokens (their Theorem 3.8)
-  and costs ``k * c + v(rows * (k + 1))`` one-row backbone passes, ``c`` being a draft pass's cost
-  over a one-row backbone pass's and ``v(R)`` a verify pass of ``R`` rows over a one-row pass
-  (the call's ``verify_cost``: :func:`~river_hf.river.verify_kernel.verify_row_costs`, measured once
-  per machine; 1 at every R where not measured, as in the paper, whose verify cost is the same for
-  any k; ``cost-flat`` keeps that).
-  α is the acceptance probability per draft estimated with the Jeffreys prior (the
-  Krichevsky-Trofimov estimate), ``(accepted + 1/2) / (accepted + rejections + 1)`` (a rejection:
-  a row's round that stopped before its last draft); ``c`` is the weight bytes the call's draft
-  passes read over those of a verify pass (:func:`bytes_cost`: decode on CPUs streams weights).
-  Both come from the tokens alone, never from a clock, so a seeded sampling call draws the same
-  tokens every time and a busy machine changes nothing.
+- ``cost``: the k that maximises expected tokens per unit of cost (Leviathan et al. 2023, *Fast
+  Inference from Transformers via Speculative Decoding*, §3.4-3.5, generalised). A round of k
+  drafts yields ``1 + S(1) + ... + S(k)`` tokens a row, ``S(j)`` being the probability that a
+  row's first j drafts are all accepted, and costs ``k * c + v(rows * (k + 1))`` one-row backbone
+  passes: ``c`` a draft pass's cost over a one-row backbone pass's (:func:`bytes_cost`: the weight
+  bytes the call's draft passes read over a backbone pass's; decode on CPUs streams weights) and
+  ``v(R)`` a verify pass of ``R`` rows over a one-row pass (the call's ``verify_cost``,
+  :func:`~river_hf.river.verify_kernel.verify_row_costs`, measured once per machine; 1 for any R
+  where not measured, and always for ``cost-flat``, as in the paper).
+  ``S`` is the Kaplan-Meier (product-limit) estimate of the accepted run's length from the call's
+  rounds (Kaplan & Meier 1958: a row that accepted all its drafts is censored there, one that
+  stopped early is a rejection at the next draft), each position's rejection rate shrunk towards
+  ``1 - α`` by :data:`PSEUDO_ROWS` pseudo-rows, α being the acceptance per draft with the Jeffreys
+  prior (the Krichevsky-Trofimov estimate ``(accepted + 1/2) / (accepted + rejections + 1)``).
+  With no round seen at a position it is the paper's i.i.d. model (``S(j) = α^j``: their Theorem
+  3.8's ``(1 - α^(k+1)) / (1 - α)`` tokens), but acceptance comes in runs: on code, one row's
+  rounds are often all accepted, where the i.i.d. model's α < 1 would shorten k. All of it comes
+  from the tokens, never from a clock, so a seeded sampling call draws the same tokens every time
+  and a busy machine changes nothing.
 
 Every schedule keeps k within ``[1, most]``; the first round that drafts (after the prefill)
 drafts ``first`` (``RiverConfig``'s ``draft_tokens``), fewer where an EOS or the length limit
@@ -33,8 +38,12 @@ from ..errors import RiverError
 
 __all__ = ["DraftSchedule", "HeuristicSchedule", "ConstantSchedule", "CostSchedule", "FlatCostSchedule",
            "register_schedule",
-           "make_schedule", "SCHEDULES", "expected_tokens_per_cost", "bytes_cost", "row_cost_curve"]
+           "make_schedule", "SCHEDULES", "expected_tokens_per_cost", "bytes_cost", "row_cost_curve", "PSEUDO_ROWS"]
 
+#: the weight of the i.i.d. model in each position's rejection rate (``cost``), in rows
+PSEUDO_ROWS = 1.0
+#: the most k the ``cost`` schedule weighs (its ``most`` is lower by default: ``max_draft_tokens``)
+_SCAN = 128
 #: registered schedules by name (:func:`register_schedule`)
 SCHEDULES: dict[str, type] = {}
 
@@ -142,14 +151,15 @@ def expected_tokens_per_cost(alpha: float, k: int, c: float, v: float = 1.0) -> 
     """Tokens a round of ``k`` drafts yields per row and per one-row backbone pass's time
     (Leviathan et al. 2023, §3.5): ``(1 - alpha^(k+1)) / ((1 - alpha) (k c + v))``, ``alpha`` in
     [0, 1) the acceptance probability of one draft, ``c`` >= 0 a draft pass's time and ``v`` > 0
-    the verify pass's (1 in the paper) over a one-row backbone pass's."""
+    the verify pass's (1 in the paper) over a one-row backbone pass's: the ``cost`` schedule's
+    rate before it has seen a round at any of the k positions (``S(j) = alpha^j``)."""
     return (1.0 - alpha ** (k + 1)) / ((1.0 - alpha) * (k * c + v))
 
 
 @register_schedule
 class CostSchedule(DraftSchedule):
     """The k with the most expected tokens per unit of cost (module docstring: Leviathan et al.
-    2023 §3.5; α by the Krichevsky-Trofimov estimate, ``c`` from the draft passes' weight bytes,
+    2023 §3.5 with a Kaplan-Meier acceptance model, ``c`` from the draft passes' weight bytes,
     the verify's cost ``v`` at the rows it will have: the live rows times k + 1)."""
 
     name = "cost"
@@ -158,31 +168,49 @@ class CostSchedule(DraftSchedule):
         super().__init__(first, most, verify_cost)
         self.accepted = self.rejections = self.passes = 0
         self.draft_cost = 0.0
+        self.reached: list[int] = []  # [j - 1]: rows that judged draft j
+        self.rejected: list[int] = []  # [j - 1]: rows whose draft j was rejected
 
     @property
     def alpha(self) -> float:
         """The acceptance probability per draft so far (Krichevsky-Trofimov: the Jeffreys prior)."""
         return (self.accepted + 0.5) / (self.accepted + self.rejections + 1)
 
+    def survival(self, k: int) -> list[float]:
+        """``[S(1), ..., S(k)]``: the probability that a row's first j drafts are all accepted
+        (product-limit, each position's rejection rate ``(rejected + PSEUDO_ROWS (1 - α)) /
+        (reached + PSEUDO_ROWS)``)."""
+        q, s, out = 1.0 - self.alpha, 1.0, []
+        for j in range(k):
+            reached = self.reached[j] if j < len(self.reached) else 0
+            rejected = self.rejected[j] if j < len(self.rejected) else 0
+            s *= 1.0 - (rejected + PSEUDO_ROWS * q) / (reached + PSEUDO_ROWS)
+            out.append(s)
+        return out
+
     def update(self, accepted, judged, draft_passes, draft_cost) -> int:
+        for a, j in zip(accepted, judged):
+            if j > len(self.reached):
+                grow = j - len(self.reached)
+                self.reached += [0] * grow
+                self.rejected += [0] * grow
+            for i in range(min(a + 1, j)):
+                self.reached[i] += 1
+            if a < j:
+                self.rejected[a] += 1
         self.accepted += sum(accepted)
         self.rejections += sum(a < j for a, j in zip(accepted, judged))
         self.passes += draft_passes
         self.draft_cost += draft_cost
         if self.passes == 0:
             return self.k
-        c = self.draft_cost / self.passes
-        alpha, rows = self.alpha, max(1, len(accepted))
-
-        def rate(k: int) -> float:
-            return expected_tokens_per_cost(alpha, k, c, self.verify_cost(rows * (k + 1)))
-
-        # a concave numerator over a positive denominator that is convex in k (v growing ever
-        # faster with the rows, or flat) is quasiconcave: it rises, then falls, so climb
-        k = 1
-        while k < self.most and rate(k + 1) > rate(k):
-            k += 1
-        self.k = k
+        c, rows = self.draft_cost / self.passes, max(1, len(accepted))
+        tokens, best, self.k = 1.0, -1.0, 1
+        for k, s in enumerate(self.survival(min(self.most, _SCAN)), start=1):
+            tokens += s
+            rate = tokens / (k * c + self.verify_cost(rows * (k + 1)))
+            if rate > best:
+                best, self.k = rate, k
         return self.k
 
 
