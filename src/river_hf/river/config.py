@@ -139,15 +139,20 @@ class RiverConfig:
         draft_tokens: lossless mode: drafts of the first round that drafts (after the prefill), k (>= 1).
         max_draft_tokens: lossless mode: the most drafts one round may propose (>= ``draft_tokens``),
             however many rounds in a row were fully accepted, so a verify pass never runs more than
-            ``max_draft_tokens + 1`` rows (the rows the prepacked verify kernel is used for). The
+            ``max_draft_tokens + 1`` rows (the rows the prepacked verify kernel is used for); a
+            batch of B live rows drafts at most ``max(1, (max_draft_tokens + 1) // B - 1)`` a row, so
+            its verify stays within those rows too, down to one draft a row
+            (:func:`~river_hf.river.lossless_batch.row_budget`). The
             default 15 (16 verify rows) follows ``benchmarks/verify_linear.py``: at 16 rows a prepacked
             896x4864 product reads its weights at half the one-row rate, so longer rounds cost more
             per token than they save in drafts (docs/results/verify_linear.txt).
         draft_schedule: lossless mode, how k changes from round to round (:mod:`.draft_schedule`):
             ``heuristic`` (k + 2 after a fully accepted round, k - 1 otherwise, as transformers'
-            ``num_assistant_tokens_schedule="heuristic"``), ``constant``, or ``cost`` (the k with the
-            most expected tokens per unit of cost from the call's acceptance so far and the draft
-            passes' weight bytes over a verify pass's: Leviathan et al. 2023, §3.5).
+            ``num_assistant_tokens_schedule="heuristic"``), ``constant``, ``cost`` (the k with the
+            most expected tokens per unit of cost, Leviathan et al. 2023, §3.5: the call's accepted
+            runs by Kaplan-Meier, the draft passes' weight bytes over a backbone pass's, and the
+            verify priced by its rows as measured on this machine) or ``cost-flat`` (every verify
+            priced as one pass, as in the paper).
         prompt_lookup_tokens: lossless mode: when > 0, a round whose last tokens occurred earlier
             in the sequence proposes the up to this many tokens that followed them (prompt lookup
             decoding, no draft pass) instead of drafting through the exit path; 0: off.
