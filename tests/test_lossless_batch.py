@@ -59,29 +59,6 @@ def test_exact_drafts_accept_everything_in_a_batch():
     assert river.river_stats["lossless"]["acceptance_rate"] == 1.0
 
 
-def test_a_batch_drafts_within_the_verify_row_budget(monkeypatch):
-    """max_draft_tokens + 1 verify rows are shared by the live rows: every draft accepted, a batch of
-    4 (all live to the end: no EOS) still drafts at most (15 + 1) // 4 - 1 = 3 a row; the tokens stay
-    the plain model's."""
-    from river_hf import RiverConfig
-    from river_hf.river import lossless_batch
-    from river_hf.river.lossless_batch import row_budget
-
-    assert [row_budget(15, b) for b in (1, 2, 4, 8, 16, 64)] == [15, 7, 3, 1, 1, 1]
-    seen = []
-    original = lossless_batch._draft
-    monkeypatch.setattr(lossless_batch, "_draft", lambda model, state, k, plan, call: seen.append(k) or original(
-        model, state, k, plan, call))
-    base = tiny_model("qwen2")
-    base.generation_config.eos_token_id = None
-    river = river_copy(base, backend="copy", config=RiverConfig(lossless=True, draft_tokens=15, max_draft_tokens=15))
-    ids, mask = left_padded()
-    ref = base.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **GEN)
-    out = river.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **GEN)
-    assert torch.equal(out, ref) and river.river_stats["lossless"]["acceptance_rate"] == 1.0
-    assert seen and max(seen) == 3
-
-
 def test_exit_only_drafts_and_a_mask_inferred_from_the_pad_token():
     """``draft_path="exit"`` (every layer its exit copy) and a positional prompt without an
     attention mask (generate infers it from the pad token): still the plain model's tokens."""

@@ -140,9 +140,7 @@ class RiverConfig:
         max_draft_tokens: lossless mode: the most drafts one round may propose (>= ``draft_tokens``),
             however many rounds in a row were fully accepted, so a verify pass never runs more than
             ``max_draft_tokens + 1`` rows (the rows the prepacked verify kernel is used for); a
-            batch of B live rows drafts at most ``max(1, (max_draft_tokens + 1) // B - 1)`` a row, so
-            its verify stays within those rows too, down to one draft a row
-            (:func:`~river_hf.river.lossless_batch.row_budget`). The
+            batch of B rows verifies up to B times that. The
             default 15 (16 verify rows) follows ``benchmarks/verify_linear.py``: at 16 rows a prepacked
             896x4864 product reads its weights at half the one-row rate, so longer rounds cost more
             per token than they save in drafts (docs/results/verify_linear.txt).

@@ -48,7 +48,7 @@ from .draft_schedule import bytes_cost, make_schedule
 from .layer import EXIT_ONLY, ROUTE
 from .rows import position_ids
 
-__all__ = ["HISTORY_FREE", "history_free", "BatchPlan", "generate_batch", "row_budget"]
+__all__ = ["HISTORY_FREE", "history_free", "BatchPlan", "generate_batch"]
 
 #: Logits processors that depend only on the current scores (never on the tokens so far), so the
 #: same processed distribution is computed for a draft, a verify position and plain decoding. A
@@ -277,8 +277,6 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
 
     Returns ``LongTensor [B, prompt + new]``: the plain model's tokens per row (greedy: identical;
     sampling: the same distribution), rows padded with ``plan.pad_token_id`` after their EOS.
-    Each round drafts the schedule's k, at most :func:`row_budget` per row (a verify of every
-    live row's drafts stays within ``max_draft_tokens + 1`` rows where it can).
     ``call.record`` gets the call's statistics counted per row (``rounds``: live rows per verify pass,
     ``drafted``, ``accepted``), ``verify_passes``, ``batch_size`` and the draft/verify seconds.
     ``plan.streamer`` (when given) gets the prompt ``[B, prompt]``, the first new-token column
@@ -305,7 +303,7 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
             start = time.perf_counter()
             live = ~state.done
             room = plan.max_length - plan.input_ids.shape[1] - state.new - 1  # drafts a row may still accept
-            k_round = max(0, min(k, int(room[live].max()), row_budget(config.max_draft_tokens, int(live.sum()))))
+            k_round = max(0, min(k, int(room[live].max())))
             if k_round:
                 drafts, q = _draft(model, state, k_round, plan, call)
             else:
@@ -328,17 +326,6 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
             _stream_columns(state, plan)
     _stream_columns(state, plan, final=True)
     return _sequences(state, plan)
-
-
-def row_budget(max_draft_tokens: int, rows: int) -> int:
-    """The most drafts per row a round of ``rows`` live rows proposes: ``max(1, (max_draft_tokens +
-    1) // rows - 1)``, so the verify pass (``rows x (k + 1)`` rows) stays within
-    ``max_draft_tokens + 1`` rows, as one row's does (``RiverConfig.max_draft_tokens``), down to
-    one draft a row. A verify's cost grows with its rows once they pass that width (on the 2-core
-    AMD EPYC Zen 5, Qwen2.5-Coder-0.5B: 1.4 one-row passes at 16 rows, 4.2 at 64), and a batch's
-    drafts cost more per pass than one row's (0.20 of a one-row backbone pass at batch 4 against
-    0.13), which the draft schedules do not price."""
-    return max(1, (max_draft_tokens + 1) // max(1, rows) - 1)
 
 
 def _judge_round(record: dict, schedule, n: torch.Tensor, limit: torch.Tensor, draft_passes: int,
