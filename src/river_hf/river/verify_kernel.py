@@ -187,7 +187,7 @@ def verify_row_costs(model, mode):
     :func:`~river_hf.river.draft_schedule.row_cost_curve` interpolates between them. Decode streams
     the weights, so up to some rows a pass costs about one one-row pass; past them the products
     turn compute-bound (on the 2-core AMD EPYC Zen 5, Qwen2.5-Coder-0.5B, prepacked oneDNN: 1.02 at
-    8 rows, 1.40 at 16, 2.35 at 32, 4.23 at 64; whole backbone passes 1.42 at 16 rows, 4.10 at 64).
+    8 rows, 1.40 at 16, 2.35 at 32, 4.23 at 64).
     The timings go through
     :meth:`river_hf.quant.autotune.KernelTuner.choose_mode`, cached in ``kernels.json`` with the
     exit kernels' (a second process measures nothing); the curve is kept on the model
