@@ -18,6 +18,7 @@ import time
 import torch
 
 from ..quant.dense import PrepackedLinear, onednn_available
+from .draft_schedule import row_cost_curve
 from .layer import BACKBONE_ONLY
 
 __all__ = ["verify_mode", "backbone_mode", "backbone_hooks", "backbone_step_seconds", "available_memory_bytes",
@@ -197,7 +198,6 @@ def verify_row_costs(model, mode):
     if cached is not None:
         return cached or None
     from ..quant.autotune import LinearSpec, default_tuner, last_level_cache_bytes
-    from .draft_schedule import row_cost_curve
 
     tuner = default_tuner()
     linears = [m for m in model.river_backbone_modules() if isinstance(m, torch.nn.Linear)
