@@ -23,9 +23,9 @@ one fresh instance per ``generate`` call, fed each round's outcome by whoever ru
   prior (the Krichevsky-Trofimov estimate ``(accepted + 1/2) / (accepted + rejections + 1)``).
   With no round seen at a position it is the paper's i.i.d. model (``S(j) = α^j``: their Theorem
   3.8's ``(1 - α^(k+1)) / (1 - α)`` tokens), but acceptance comes in runs: on code, one row's
-  rounds are often all accepted, where the i.i.d. model's α < 1 would shorten k. All of it comes
-  from the tokens, never from a clock, so a seeded sampling call draws the same tokens every time
-  and a busy machine changes nothing.
+  rounds are often all accepted, where the i.i.d. model's α < 1 would shorten k. S, α and ``c``
+  come from the tokens and ``v`` from a measurement taken once per machine before any call drafts,
+  never from the call's own clock, so a seeded sampling call draws the same tokens every time.
 
 Every schedule keeps k within ``[1, most]``; the first round that drafts (after the prefill)
 drafts ``first`` (``RiverConfig``'s ``draft_tokens``), fewer where an EOS or the length limit
