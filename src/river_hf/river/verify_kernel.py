@@ -49,6 +49,18 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def _timed(tuner, k_in: int, k_out: int, rows: int) -> tuple[str, dict]:
+    """``F.linear`` against prepacked oneDNN on a ``k_in x k_out`` fp32 product at ``rows`` rows,
+    weights streamed from memory (``tuner.choose_mode``: cached in ``kernels.json``): the faster
+    one's name and both timings (µs)."""
+    from ..quant.autotune import LinearSpec, last_level_cache_bytes
+
+    available = available_memory_bytes() or 0
+    stream = min(2 * last_level_cache_bytes(), int(0.1 * available)) if available else None
+    return tuner.choose_mode(LinearSpec(k_in, k_out, False), rows, ("torch", "onednn"),
+                             lambda: PrepackedLinear.measure(k_in, k_out, rows, stream_bytes=stream))
+
+
 def _representative_shape(linears, head) -> tuple[int, int]:
     """``(in_features, out_features)`` of the backbone Linear shape that holds the most weight bytes
     in total (an MLP projection in every model here), the LM head left out: timing it costs a few
@@ -128,7 +140,7 @@ def verify_mode(model, choice: str, rows: int):
 def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
     import warnings
 
-    from ..quant.autotune import LinearSpec, default_tuner, last_level_cache_bytes  # default_tuner(): None when RIVER_HF_AUTOTUNE=0
+    from ..quant.autotune import default_tuner  # None when RIVER_HF_AUTOTUNE=0
 
     head = model.get_output_embeddings()
     head = getattr(head, "backbone", head)
@@ -150,11 +162,9 @@ def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
         if tuner is None:
             return False, {**info, "why": "RIVER_HF_AUTOTUNE=0: not measured, not packed"}
         k_in, k_out = _representative_shape(linears, head)
-        stream = min(2 * last_level_cache_bytes(), int(0.1 * available))
 
         def faster(timed_rows: int) -> tuple[str, dict]:  # F.linear or oneDNN at that many rows (cached)
-            return tuner.choose_mode(LinearSpec(k_in, k_out, False), timed_rows, ("torch", "onednn"),
-                                     lambda: PrepackedLinear.measure(k_in, k_out, timed_rows, stream_bytes=stream))
+            return _timed(tuner, k_in, k_out, timed_rows)
 
         best, timing = faster(max(2, min(rows, 8)))
         info.update(timing_us=timing, shape=f"{k_in}x{k_out}")
@@ -197,7 +207,7 @@ def verify_row_costs(model, mode):
     cached = model.__dict__.get("_river_verify_costs")
     if cached is not None:
         return cached or None
-    from ..quant.autotune import LinearSpec, default_tuner, last_level_cache_bytes
+    from ..quant.autotune import default_tuner
 
     tuner = default_tuner()
     linears = [m for m in model.river_backbone_modules() if isinstance(m, torch.nn.Linear)
@@ -206,16 +216,11 @@ def verify_row_costs(model, mode):
         return None  # not kept: a later call may have a tuner (RIVER_HF_AUTOTUNE set again)
     head = model.get_output_embeddings()
     k_in, k_out = _representative_shape(linears, getattr(head, "backbone", head))
-    available = available_memory_bytes() or 0
-    stream = min(2 * last_level_cache_bytes(), int(0.1 * available)) if available else None
 
     def kernel(rows: int) -> str:
         return "onednn" if mode is not None and mode.min_rows <= rows <= mode.max_rows else "torch"
 
-    timings = {rows: tuner.choose_mode(LinearSpec(k_in, k_out, False), rows, ("torch", "onednn"),
-                                       lambda rows=rows: PrepackedLinear.measure(k_in, k_out, rows,
-                                                                                 stream_bytes=stream))[1]
-               for rows in COST_ROWS}
+    timings = {rows: _timed(tuner, k_in, k_out, rows)[1] for rows in COST_ROWS}
     points = [(rows, timings[rows][kernel(rows)] / timings[1][kernel(rows)]) for rows in COST_ROWS]
     curve = model._river_verify_costs = row_cost_curve(points)
     return curve
@@ -273,16 +278,13 @@ def _decide_one_row(model, choice: str, copy_info: dict) -> dict:
     """Whether one-row backbone calls go to the packed copy (``auto``: measured, cached)."""
     if choice == "onednn":
         return {"use": True, "why": "backbone_kernel='onednn'", "timing_us": None}
-    from ..quant.autotune import LinearSpec, default_tuner, last_level_cache_bytes
+    from ..quant.autotune import default_tuner
 
     tuner = default_tuner()
     if tuner is None:
         return {"use": False, "why": "RIVER_HF_AUTOTUNE=0: not measured, not used", "timing_us": None}
     k_in, k_out = (int(x) for x in copy_info["shape"].split("x"))
-    available = available_memory_bytes() or 0
-    stream = min(2 * last_level_cache_bytes(), int(0.1 * available)) if available else None
-    best, timing = tuner.choose_mode(LinearSpec(k_in, k_out, False), 1, ("torch", "onednn"),
-                                     lambda: PrepackedLinear.measure(k_in, k_out, 1, stream_bytes=stream))
+    best, timing = _timed(tuner, k_in, k_out, 1)
     if best != "onednn":
         return {"use": False, "why": "F.linear measured faster than prepacked oneDNN at one row", "timing_us": timing}
     return {"use": True, "why": "prepacked oneDNN measured faster than F.linear at one row", "timing_us": timing}
