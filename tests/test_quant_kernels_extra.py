@@ -1,5 +1,5 @@
 """The kernels of other libraries (onnxruntime MatMulNBits, torch fbgemm dynamic int8, ARK woqgemm) and
-river-hf's own compiled one (river-int4, AVX-512 VNNI):
+river-hf's own compiled one (river-int4, AVX-512 VNNI or AVX2):
 their products, River's exactness with them, the fully quantized mode, and their saved choice.
 
 Tiny random models; nothing timed. A test of a kernel whose library is not installed here is
@@ -28,7 +28,7 @@ from river_hf.river import exit_modules
 
 NEW = ["ort-int4", "ort-int4-g32", "ort-int8", "torch-dyn-int8", "ark-int4", "ark-int8", "river-int4"]
 LIBRARY = {"ort": "onnxruntime", "ark": "auto-round-lib", "torch": "torch's fbgemm quantized engine",
-           "river": "an AVX-512 VNNI CPU and gcc"}
+           "river": "an AVX-512 VNNI or AVX2 CPU and gcc"}
 
 
 def need(name: str):

@@ -1,7 +1,8 @@
-"""river-int4, river-hf's own AVX-512 VNNI 4-bit product (quant/river_int4.py, csrc/int4_vnni.cpp):
-its packing and row blocking against torch-int4 on the same grid, its availability switch, and the
-fused exit layer over it (two C++ calls around the cache update). Tiny shapes and random models; nothing timed. Skipped (with the reason) on a
-CPU without AVX-512 VNNI or without a compiler; the kernels shared with other libraries are covered by
+"""river-int4, river-hf's own 4-bit product (quant/river_int4.py, csrc/river_int4.cpp; AVX-512 VNNI or
+AVX2): its packing and row blocking against torch-int4 on the same grid, its arithmetic against a float64
+model of it, its availability switch, and the fused exit layer over it (two C++ calls around the cache
+update). Tiny shapes and random models; nothing timed. Skipped (with the reason) on a CPU with neither
+instruction set or without a compiler; the kernels shared with other libraries are covered by
 tests/test_quant_kernels_extra.py too."""
 
 from __future__ import annotations
@@ -50,6 +51,45 @@ def test_every_row_block_matches_the_grid_product(kernel, rows, shape):
     # each row is what it is alone (no row leaks into another's block)
     for r in range(rows):
         assert torch.allclose(q(x[r:r + 1])[0], y[r], rtol=0, atol=1e-5)
+
+
+def kernel_model(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """What csrc/river_int4.cpp computes, step by step, in float64 where it rounds nothing: fp16
+    scales and zeros; per row and group of 128, ``xs = max|x| / 127`` and ``round(x * 127 / max|x|)``
+    to int8 (fp32, ties to even), the group's fp32 sum; the integer dot product of the nibbles and the
+    int8 row, centred by ``8 * sum(qx)``; then two fused multiply-adds per group into the fp32
+    accumulator that starts at the bias."""
+    q, scale, zero, g = int4_grid(linear.weight.detach().float())
+    n, k = q.shape
+    scale, zero = scale.half().float(), zero.half().float()
+    out = torch.empty(x.shape[0], n)
+    for m in range(x.shape[0]):
+        acc = linear.bias.detach().float().clone() if linear.bias is not None else torch.zeros(n)
+        for j in range(k // g):
+            xg = x[m, j * g:(j + 1) * g].float()
+            amax = xg.abs().max()
+            xs = amax / 127.0
+            qx = torch.round(xg * (127.0 / amax)).clamp(-127, 127).to(torch.int64)
+            dot = (q[:, j * g:(j + 1) * g].to(torch.int64) * qx).sum(-1) - 8 * qx.sum()
+            fma1 = (scale[:, j] * xs).double() * dot.double() + acc.double()
+            acc = fma1.float()
+            acc = (zero[:, j].double() * xg.sum().double() + acc.double()).float()
+        out[m] = acc
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_its_arithmetic_is_the_documented_one(kernel, rows):
+    # the integer dot products and their fp32 scaling, on either instruction set (AVX-512 VNNI's
+    # vpdpbusd or AVX2's vpmaddubsw / vpmaddwd give the same integers): to within the last bits that
+    # the group sum's summation order and the float64 model's double rounding may move; a wrong nibble,
+    # lane or int16 overflow is off by 1e-3 or more
+    torch.manual_seed(rows)
+    linear = nn.Linear(384, 48)
+    x = torch.randn(rows, 384) * 3
+    with torch.no_grad():
+        y, ref = kernel.build(linear)(x), kernel_model(linear, x)
+    assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
 def test_it_quantizes_like_torch_int4(kernel):

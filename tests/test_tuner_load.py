@@ -217,7 +217,7 @@ def test_a_folder_saved_under_load_is_revalidated_at_a_quiet_load(tmp_path, mach
 @pytest.mark.parametrize("flags, features, int4, int8", [
     ({"avx2", "avx512f", "amx_tile"}, "AVX-512/AMX", "ark-int4", "torch-dyn-int8"),
     ({"avx2", "avx512f", "avx512_vnni"}, "AVX-512", "river-int4", "torch-int8"),
-    ({"avx2", "fma"}, "AVX2", "torch-int4", "torch-int8"),
+    ({"avx2", "fma"}, "AVX2", "river-int4", "torch-int8"),
     ({"sse4_2"}, "baseline", "torch-int4", "torch-int8"),
 ])
 def test_the_prior_ranking_per_feature_set(machine, flags, features, int4, int8, scripted_tuner):

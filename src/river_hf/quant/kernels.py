@@ -30,9 +30,9 @@ Kernels (``KERNELS``):
     ``ark-int4`` / ``ark-int8``: Intel ARK ``woqgemm`` (auto-round-lib), 4-bit asymmetric groups of
         128 (64, 32) / 8-bit per channel, int8 compute (:class:`~river_hf.quant.external.ArkWoqLinear`).
         Needs auto-round-lib.
-    ``river-int4``: river-hf's own product for AVX-512 VNNI CPUs (:mod:`~river_hf.quant.river_int4`):
+    ``river-int4``: river-hf's own product for AVX-512 VNNI and AVX2 CPUs (:mod:`~river_hf.quant.river_int4`):
         torch-int4's grid, activations quantized to int8 per group of 128, integer dot products
-        (``vpdpbusd``), fp32 out. Compiled once per torch version with gcc; unavailable without
+        (``vpdpbusd``; AVX2: ``vpmaddubsw``), fp32 out. Compiled once per torch version with gcc; unavailable without
         the CPU features or a compiler.
     ``copy``: an unquantized copy in the model's dtype: exit layers then compute exactly what the
         backbone computes, the reference for testing the routing itself.
@@ -221,14 +221,14 @@ class DynamicInt8Kernel(_CpuLibraryKernel):
 
 @dataclasses.dataclass(frozen=True)
 class RiverInt4Kernel(_CpuLibraryKernel):
-    """``river-int4``: river-hf's own AVX-512 VNNI product on torch-int4's grid, int8 activations
+    """``river-int4``: river-hf's own AVX-512 VNNI / AVX2 product on torch-int4's grid, int8 activations
     (:class:`~river_hf.quant.river_int4.RiverInt4Linear`); ``out_features`` divisible by 16."""
 
     @property
     def needs(self) -> str:
         """What it needs, and why it cannot run here when it cannot."""
         why = None if river_int4.works() else river_int4.unavailable_reason()
-        return ("an x86-64 CPU with AVX-512 VNNI and a C++ compiler (gcc) for its one-time build, on Linux"
+        return ("an x86-64 CPU with AVX-512 VNNI or AVX2 (with FMA and F16C) and a C++ compiler (gcc) for its one-time build, on Linux"
                 + (f"; here: {why}" if why else ""))
 
     def works(self) -> bool:

@@ -54,14 +54,15 @@ CALL_OVERHEAD_US = 1000.0
 #: ``ark-int4`` 1.04x ``torch-int4`` in the decode step; int8: fbgemm dynamic 254 µs against
 #: ``_weight_int8pack_mm``'s 390 for 896x4864 (docs/river.md, "The exit path"). AVX-512 without AMX
 #: (Zen 4): tinygemm for every shape, quanto 1.3x, ARK 2.7-3.2x slower (docs/river.md, "On a 2-core
-#: AMD EPYC"). AVX2 only (Zen 3): tinygemm (docs/lossless.md, the AVX2 EPYC run). int8 off AMX: no
-#: measurement on record; torch's own op, the ``int8`` choice's first candidate. ``river-int4`` (AVX-512 VNNI,
-#: river-hf's own): 3-4x tinygemm per call on every Qwen2.5-Coder-0.5B exit shape on the AVX-512 EPYC
-#: (Zen 5; the tuner's timings in kernels.json, docs/river.md); on the AMX Xeon not measured, so after ARK.
+#: AMD EPYC"). AVX2 only (Zen 3): tinygemm among the libraries' kernels (docs/lossless.md, the AVX2 EPYC run). int8 off AMX: no
+#: measurement on record; torch's own op, the ``int8`` choice's first candidate. ``river-int4`` (river-hf's
+#: own): 3-4x tinygemm per call on every Qwen2.5-Coder-0.5B exit shape on the AVX-512 EPYC (Zen 5, its
+#: VNNI build) and 2.5-4.5x on the AVX2 EPYC (Zen 1, its AVX2 build), one and four rows (the tuner's
+#: timings in kernels.json, docs/river.md); on the AMX Xeon not measured, so after ARK.
 PRIOR_RANKING: dict[str, tuple[str, ...]] = {
     "AVX-512/AMX": ("ark-int4", "river-int4", "torch-int4", "quanto-int4", "torch-dyn-int8", "torch-int8", "ark-int8", "quanto-int8"),
     "AVX-512": ("river-int4", "torch-int4", "quanto-int4", "ark-int4", "torch-int8", "torch-dyn-int8", "quanto-int8", "ark-int8"),
-    "AVX2": ("torch-int4", "quanto-int4", "ark-int4", "torch-int8", "torch-dyn-int8", "quanto-int8", "ark-int8"),
+    "AVX2": ("river-int4", "torch-int4", "quanto-int4", "ark-int4", "torch-int8", "torch-dyn-int8", "quanto-int8", "ark-int8"),
     "baseline": (),
 }
 

@@ -1,11 +1,12 @@
-"""``river-int4``: river-hf's own 4-bit weight-only product for x86 CPUs with AVX-512 VNNI.
+"""``river-int4``: river-hf's own 4-bit weight-only product for x86 CPUs with AVX-512 VNNI or AVX2.
 
 torch's tinygemm (``torch-int4``) computes a one-row 4-bit product in bf16: it turns every weight
 back into a float and multiplies, which on a 2-core AVX-512 CPU runs far below the memory's rate
 (a decode step of the fully quantized Qwen2.5-Coder-0.5B spent 15 ms a token in it). This kernel
 does what llama.cpp's do instead: each activation row is quantized to int8 per group of input
-channels, and the products run on integer dot-product instructions (``vpdpbusd``, 64
-multiply-adds per instruction). The grid of the weights is torch-int4's (asymmetric 4-bit groups,
+channels, and the products run on integer dot-product instructions (``vpdpbusd`` with AVX-512
+VNNI, 64 multiply-adds per instruction; ``vpmaddubsw`` and ``vpmaddwd`` with AVX2, as llama.cpp's
+AVX2 kernels; both give the same numbers bit for bit). The grid of the weights is torch-int4's (asymmetric 4-bit groups,
 ``(q - 8) * scale + zero``, :func:`~river_hf.quant.modules.int4_grid`), so both kernels quantize a
 Linear alike (scales and zeros kept in fp16 here, as llama.cpp keeps its block scales; tinygemm keeps
 them in bf16); this one adds the activations' int8 rounding (symmetric per group, ``max|x| / 127``:
@@ -13,10 +14,12 @@ about 0.7 % relative error of a product on random data, against the weights' own
 16 output channels is one contiguous stream of nibbles, scales and zeros (6 % over the 4-bit weights at
 groups of 128), read once per call.
 
-The C++ source (``csrc/int4_vnni.cpp``) is compiled once per source and torch version by torch's
-``cpp_extension`` (gcc, about 25 s) into ``~/.cache/torch_extensions/river_hf`` (``$TORCH_EXTENSIONS_DIR``), with explicit instruction-set
-flags (AVX-512 F/BW/VL/VNNI, not ``-march=native``), so the library runs on any CPU with those
-features; :func:`works` is False without them, without a compiler, or when the build or a small
+The C++ source (``csrc/river_int4.cpp``) is compiled once per source, instruction set and torch
+version by torch's ``cpp_extension`` (gcc, about 25 s) into ``~/.cache/torch_extensions/river_hf``
+(``$TORCH_EXTENSIONS_DIR``), with explicit instruction-set flags (:data:`INSTRUCTION_SETS`: AVX-512
+F/BW/VL/VNNI where the CPU has them, else AVX2 with FMA and F16C; not ``-march=native``), so the
+library runs on any CPU with those features; :func:`works` is False without either set, without a
+compiler, or when the build or a small
 product's check fails (the reason is :func:`unavailable_reason`), and the ``int4`` choice then
 measures only the other kernels. It threads over blocks of 16 output channels with torch's own
 intra-op pool (``at::parallel_for``, ``torch.set_num_threads``).
@@ -37,12 +40,18 @@ from ..errors import RiverError
 from .modules import CastMemo, int4_grid
 from .registry import KernelModule
 
-__all__ = ["RiverInt4Linear", "works", "unavailable_reason", "extension", "product_clock", "REQUIRED_FLAGS"]
+__all__ = ["RiverInt4Linear", "works", "unavailable_reason", "extension", "product_clock", "instruction_set",
+           "INSTRUCTION_SETS"]
 
-_SOURCE = Path(__file__).parent / "csrc" / "int4_vnni.cpp"
-#: the CPU features (``/proc/cpuinfo`` flags) the compiled kernel uses
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-_CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp"]
+_SOURCE = Path(__file__).parent / "csrc" / "river_int4.cpp"
+#: the instruction sets the kernel is built for, best first: name -> (the ``/proc/cpuinfo`` flags it
+#: needs, gcc's flags for them)
+INSTRUCTION_SETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "AVX-512 VNNI": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
+                     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c")),
+    "AVX2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+}
+_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 _LANES = 16
 
 
@@ -54,6 +63,15 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def instruction_set() -> str | None:
+    """The first of :data:`INSTRUCTION_SETS` whose flags this CPU has, or None."""
+    flags = _cpu_flags()
+    for name, (needed, _) in INSTRUCTION_SETS.items():
+        if all(f in flags for f in needed):
+            return name
+    return None
 
 
 def _build_root() -> Path:
@@ -69,10 +87,11 @@ def _extension():
     """(the compiled module, None) or (None, why not). Built on first use, then loaded from the cache."""
     if sys.platform != "linux":
         return None, "river-int4 is built for Linux x86-64 only"
-    missing = [f for f in REQUIRED_FLAGS if f not in _cpu_flags()]
-    if missing:
-        return None, f"this CPU lacks {', '.join(missing)}"
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + torch.__version__.encode()).hexdigest()
+    isa = instruction_set()
+    if isa is None:
+        return None, "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C"
+    cflags = [*_CFLAGS, *INSTRUCTION_SETS[isa][1]]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()
     name = f"river_int4_{digest[:16]}"
     build = _build_root() / name
     try:
@@ -82,9 +101,9 @@ def _extension():
         if not (build / f"{name}.so").exists():
             from tqdm import tqdm
 
-            tqdm.write("river-int4: compiling river-hf's AVX-512 VNNI int4 kernel once for this torch (about 30 s)",
+            tqdm.write(f"river-int4: compiling river-hf's {isa} int4 kernel once for this torch (about 30 s)",
                        file=sys.stderr)
-        module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+        module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=cflags,
                                     extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, a failed build: the kernel is not available
         return None, f"its build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
@@ -113,7 +132,7 @@ def _checked() -> str | None:
 
 
 def works() -> bool:
-    """Whether ``river-int4`` can run here: AVX-512 VNNI, the kernel compiled (or cached), and a
+    """Whether ``river-int4`` can run here: AVX-512 VNNI or AVX2, the kernel compiled (or cached), and a
     small product within the 4-bit grid's error."""
     if os.environ.get("RIVER_HF_NO_EXTENSIONS") == "1":
         return False
@@ -122,7 +141,7 @@ def works() -> bool:
 
 def extension():
     """The compiled module (``pack``, ``mm``, and the Llama family's fused exit layer in two calls,
-    ``attention_in`` and ``attention_out``, see ``csrc/int4_vnni.cpp``), built on first use.
+    ``attention_in`` and ``attention_out``, see ``csrc/river_int4.cpp``), built on first use.
 
     Raises:
         RiverError: it cannot be built here (the reason as :func:`unavailable_reason` gives it).
@@ -160,12 +179,12 @@ def _half(t: torch.Tensor) -> torch.Tensor:
 
 
 class RiverInt4Linear(KernelModule):
-    """``y = x @ W4.T + b`` on river-hf's AVX-512 VNNI kernel (module docstring).
+    """``y = x @ W4.T + b`` on river-hf's int4 kernel (AVX-512 VNNI or AVX2, module docstring).
 
     Weights on torch-int4's grid (:func:`~river_hf.quant.modules.int4_grid`: groups of at most
-    ``group_size`` input channels), packed for ``vpdpbusd``: ``packed`` uint8 ``[out / 16, in / group,
+    ``group_size`` input channels), packed for byte dot products: ``packed`` uint8 ``[out / 16, in / group,
     group * 8 + 64]``, one stream per block of 16 output channels, each group's nibbles followed by its
-    16 scales and 16 zeros in fp16 (``csrc/int4_vnni.cpp`` gives the byte layout); ``bias`` float32
+    16 scales and 16 zeros in fp16 (``csrc/river_int4.cpp`` gives the byte layout); ``bias`` float32
     or None. ``forward(x)``: ``x [..., in]`` any float dtype -> ``[..., out]`` in x's dtype (computed
     in fp32 with int8 activations).
 

@@ -1,4 +1,5 @@
-// river-int4: 4-bit weight-only products with int8 activations on AVX-512 VNNI (vpdpbusd).
+// river-int4: 4-bit weight-only products with int8 activations, on AVX-512 VNNI (vpdpbusd) or AVX2
+// (vpmaddubsw + vpmaddwd), chosen at compile time (river_int4.py builds one library per instruction set).
 //
 // Weights: asymmetric 4-bit groups of G input channels, w ~= (q - 8) * scale + zero with q in [0, 15] (the
 // grid and layout of torch-int4's tinygemm, quant/modules.py), scale and zero stored as fp16 (as llama.cpp
@@ -6,9 +7,12 @@
 // (x ~= xs * qx, xs = max|x| / 127), with the exact fp32 sum of the group kept for the zero term and the
 // integer sum of qx for the centring:
 //   sum_k w_k x_k  ~=  scale * xs * (sum_k q_k qx_k - 8 sum_k qx_k)  +  zero * sum_k x_k.
-// The integer dot products run on vpdpbusd, which multiplies unsigned by signed bytes: the weights' nibbles
-// q go in as they are (unsigned), the activations qx as signed; the centring by 8 is exact integer
-// arithmetic on the row's own sum, so no per-weight correction is stored or read.
+// The integer dot products multiply unsigned by signed bytes (vpdpbusd; on AVX2 vpmaddubsw, whose int16
+// pair sums cannot saturate here: 2 * 15 * 127 = 3810): the weights' nibbles q go in as they are
+// (unsigned), the activations qx as signed; the centring by 8 is exact integer arithmetic on the row's own
+// sum, so no per-weight correction is stored or read. Both instruction sets compute the same integers and
+// the same fp32 operations lane by lane (the AVX2 path keeps the 16 lanes as two 8-lane halves and sums a
+// group in AVX-512's reduction order), so they give the same numbers bit for bit.
 //
 // Packed layout (river_int4_pack): output channels in blocks of 16; each block is one contiguous stream of
 // its K / G groups, and each group is G / 8 steps of 64 bytes (16 lanes x 4 bytes: byte b of lane j holds
@@ -89,6 +93,7 @@ torch::Tensor pack(torch::Tensor q, torch::Tensor scales, torch::Tensor zeros, i
 }
 
 // x: float [M, K] -> qx int8 [M, K], xs float [M, K / G], xsum float [M, K / G], qsum int32 [M, K / G]
+#if defined(__AVX512VNNI__)
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* qx, float* xs, float* xsum,
                    int32_t* qsum) {
   const int64_t groups = K / G;
@@ -119,6 +124,63 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* qx, 
       qsum[m * groups + g] = _mm512_reduce_add_epi32(isum);
     }
 }
+
+#else
+// AVX2: the 16 lanes of the AVX-512 loop as two 8-lane halves, the group's sum reduced in the order of
+// _mm512_reduce_add_ps (halves, then 128-bit halves, then pairs), so xsum is the same float
+inline float reduce_add16(__m256 a, __m256 b) {
+  const __m256 t3 = _mm256_add_ps(b, a);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m128 t10 = _mm_add_ps(t8, _mm_shuffle_ps(t8, t8, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtss_f32(t10);
+}
+
+inline float reduce_max8(__m256 a) {
+  __m128 m = _mm_max_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+  m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtss_f32(m);
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* qx, float* xs, float* xsum,
+                   int32_t* qsum) {
+  const int64_t groups = K / G;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + m * K + g * G;
+      __m256 vmax = _mm256_setzero_ps(), sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
+      for (int64_t k = 0; k < G; k += 16) {
+        const __m256 a = _mm256_loadu_ps(xg + k), b = _mm256_loadu_ps(xg + k + 8);
+        vmax = _mm256_max_ps(vmax, _mm256_max_ps(_mm256_and_ps(a, absmask), _mm256_and_ps(b, absmask)));
+        sum_lo = _mm256_add_ps(sum_lo, a);
+        sum_hi = _mm256_add_ps(sum_hi, b);
+      }
+      const float amax = reduce_max8(vmax);
+      const float scale = amax / 127.0f;
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      xs[m * groups + g] = scale;
+      xsum[m * groups + g] = reduce_add16(sum_lo, sum_hi);
+      const __m256 vinv = _mm256_set1_ps(inv);
+      int8_t* qg = qx + m * K + g * G;
+      __m256i isum = _mm256_setzero_si256();
+      for (int64_t k = 0; k < G; k += 8) {
+        __m256i r = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + k), vinv),
+                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        r = _mm256_max_epi32(_mm256_min_epi32(r, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        isum = _mm256_add_epi32(isum, r);
+        const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r, r), 0x08);  // 8 int16 in the low half
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(qg + k),
+                         _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_castsi256_si128(p16)));
+      }
+      __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(isum, 1), _mm256_castsi256_si128(isum));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+      qsum[m * groups + g] = _mm_cvtsi128_si32(s4);
+    }
+}
+#endif
 
 // torch.nn.functional.rms_norm of each row of x [M, K] (float, contiguous) with weight [K], bit for bit:
 // (x * rsqrt(mean(x * x) + eps)) * weight, the sum of the mean by ATen's own reduction (its summation order
@@ -164,6 +226,7 @@ struct Rows {  // up to kRows activation rows and where their 16 outputs go
   int64_t K, groups, N;
 };
 
+#if defined(__AVX512VNNI__)
 // R rows of one block: each 64-byte weight load is unpacked once and used for every row
 template <int R>
 inline void block_rows(const Block& blk, const Rows& r) {
@@ -210,6 +273,69 @@ inline void block_rows(const Block& blk, const Rows& r) {
   for (int i = 0; i < R; ++i)  // residual + product, the architecture's order (one fp32 add, as at::add)
     _mm512_storeu_ps(r.y + i * r.N, r.residual ? _mm512_add_ps(_mm512_loadu_ps(r.residual + i * r.N), acc[i]) : acc[i]);
 }
+
+#else
+// R rows of one block (AVX2): the 16 lanes as two 8-lane halves, one after the other. Each 32-byte half-step
+// of weights is unpacked once and used for every row; the byte products' int16 pair sums (at most 3810 each, vpmaddubsw) are added up
+// over up to kChunk steps in int16 (at most 7 620 a step for a low and a high nibble: 4 steps stay below
+// 32 767), then widened to int32 by vpmaddwd: the same integers as vpdpbusd's.
+constexpr int64_t kChunk = 4;
+
+// Half h (lanes 8h .. 8h + 7) of R rows of one group: its dot products (int32, 8 lanes), each row's
+// activations broadcast 4 bytes at a time. One half at a time keeps R rows' accumulators in the 16 ymm
+// registers (the group's bytes stay in L1 for the second half).
+template <int R>
+inline void group_half(const uint8_t* wg, int64_t steps, int h, const int8_t* const* xg, __m256i* dot) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < R; ++i) dot[i] = _mm256_setzero_si256();
+  for (int64_t s0 = 0; s0 < steps; s0 += kChunk) {
+    const int64_t s1 = std::min(steps, s0 + kChunk);
+    __m256i part[R];
+    for (int i = 0; i < R; ++i) part[i] = _mm256_setzero_si256();
+    for (int64_t s = s0; s < s1; ++s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + s * 64 + 32 * h));
+      const __m256i w0 = _mm256_and_si256(v, mask), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      for (int i = 0; i < R; ++i) {
+        int32_t a0, a1;
+        std::memcpy(&a0, xg[i] + s * 8, 4);
+        std::memcpy(&a1, xg[i] + s * 8 + 4, 4);
+        part[i] = _mm256_add_epi16(part[i], _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(a0)),
+                                                            _mm256_maddubs_epi16(w1, _mm256_set1_epi32(a1))));
+      }
+    }
+    for (int i = 0; i < R; ++i) dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(part[i], ones));
+  }
+}
+
+template <int R>
+inline void block_rows(const Block& blk, const Rows& r) {
+  const int64_t steps = blk.G / 8, gb = group_bytes(blk.G);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = blk.bias ? _mm256_loadu_ps(blk.bias + 8 * h) : _mm256_setzero_ps();
+    for (int64_t g = 0; g < blk.groups; ++g) {
+      const uint8_t* wg = blk.w + g * gb;
+      const int8_t* xg[R];
+      for (int i = 0; i < R; ++i) xg[i] = r.qx + i * r.K + g * blk.G;
+      __m256i dot[R];
+      group_half<R>(wg, steps, h, xg, dot);
+      const uint8_t* meta = wg + steps * 64;
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * h)));
+      const __m256 zero = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 32 + 16 * h)));
+      for (int i = 0; i < R; ++i) {
+        const int64_t at = i * r.groups + g;
+        const __m256i centred = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(8 * r.qsum[at]));
+        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(r.xs[at])), _mm256_cvtepi32_ps(centred), acc[i]);
+        acc[i] = _mm256_fmadd_ps(zero, _mm256_set1_ps(r.xsum[at]), acc[i]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {  // residual + product, the architecture's order (one fp32 add, as at::add)
+      float* y = r.y + i * r.N + 8 * h;
+      _mm256_storeu_ps(y, r.residual ? _mm256_add_ps(_mm256_loadu_ps(r.residual + i * r.N + 8 * h), acc[i]) : acc[i]);
+    }
+  }
+}
+#endif
 
 // packed: uint8 [N / 16, K / G, G * 8 + 64] (river_int4_pack); bias float [N] or none.
 // With ``silu_mul``: x is [M, 2K] = [gate | up] and the product's input is silu(gate) * up; with ``norm``
