@@ -57,8 +57,8 @@ CALL_OVERHEAD_US = 1000.0
 #: AMD EPYC"). AVX2 only (Zen 3): tinygemm among the libraries' kernels (docs/lossless.md, the AVX2 EPYC run). int8 off AMX: no
 #: measurement on record; torch's own op, the ``int8`` choice's first candidate. ``river-int4`` (river-hf's
 #: own): 3-4x tinygemm per call on every Qwen2.5-Coder-0.5B exit shape on the AVX-512 EPYC (Zen 5, its
-#: VNNI build) and 2.5-4.5x on the AVX2 EPYC (Zen 1, its AVX2 build), one and four rows (the tuner's
-#: timings in kernels.json, docs/river.md); on the AMX Xeon not measured, so after ARK.
+#: VNNI build) and 2.2-2.7x on the AVX2 EPYC (Zen 1, its AVX2 build; the tuner's timings in kernels.json
+#: and results/epyc-zen1-2core, docs/river.md); on the AMX Xeon not measured, so after ARK.
 PRIOR_RANKING: dict[str, tuple[str, ...]] = {
     "AVX-512/AMX": ("ark-int4", "river-int4", "torch-int4", "quanto-int4", "torch-dyn-int8", "torch-int8", "ark-int8", "quanto-int8"),
     "AVX-512": ("river-int4", "torch-int4", "quanto-int4", "ark-int4", "torch-int8", "torch-dyn-int8", "quanto-int8", "ark-int8"),
