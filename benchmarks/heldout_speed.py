@@ -20,6 +20,10 @@ each (every row exactly ``--new-tokens``; tokens/s count every row's tokens). Me
   over weights packed once (``river_hf.bench_harness.plain_onednn_mode``: a view of the copy River's lossless
   mode packs for its verifies, where it packs one, else a second copy of the weights in memory): the plain model on torch's other fp32 kernel, where MKL's one-row product is
   slow (the 2-core AMD EPYC machine), so the speedups can be read against the faster fp32 baseline;
+- ``unmodified-river-fp32``: the plain fp32 model with every Linear call of 1-8 rows on river-hf's own
+  fp32 product (``river_hf.quant.dense_river.RiverFp32Linear``, on the weights as they are, no copy) and
+  longer calls (the prompt pass) on the ``unmodified-onednn`` copy where that method runs too, else on
+  ``F.linear``: the plain model on the fastest fp32 kernels River itself uses;
 - ``river-onednn``: River (route mode) with its backbone Linears' calls on that same packed copy (the
   plain model shares River's backbone tensors; the exit layers keep their quantized kernels): what
   routing River's one-row backbone products through oneDNN would give, measured before building it;
@@ -73,9 +77,11 @@ from river_hf.bench_harness import (EOS_SUPPRESSED, LlamaCppRunner, available, c
                                     left_padded, lossless_settings, parse_prompt_sets, plain_onednn_mode,
                                     prompt_kernels_off, prompt_texts, split_methods)
 from river_hf.bench_harness.output import command_line, compare_protocol, write_report
+from river_hf.quant.dense_river import RiverFp32Linear
 
 METHODS = ("unmodified", "river", "exit", "exit-noprompt", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16",
-           "unmodified-onednn", "river-onednn", "llama.cpp", "river-fused", "exit-fused", "lossless-fused", "river-mkl")
+           "unmodified-onednn", "river-onednn", "unmodified-river-fp32", "llama.cpp", "river-fused", "exit-fused",
+           "lossless-fused", "river-mkl")
 #: what the ``-fused`` methods change: River's own fused exit layers over stacked q/k/v and gate/up products
 #: (a second River model, same kernels chosen by the same rules)
 FUSED = {"exit_layer_impl": "auto", "fuse_projections": True}
@@ -204,6 +210,13 @@ def main(argv=None) -> int:
         except ValueError as e:
             ap.error(f"*-onednn: {e}; leave those methods out")
 
+    plain_fp32 = None
+    if "unmodified-river-fp32" in methods:
+        try:
+            plain_fp32 = RiverFp32Linear([m for m in plain.modules() if isinstance(m, torch.nn.Linear)], fallback=packed)
+        except RuntimeError as e:
+            ap.error(f"unmodified-river-fp32: {e}; leave it out")
+
     tokens: dict[str, list[list[int]]] = {}
     stats: dict[str, list[dict]] = {}
 
@@ -217,7 +230,9 @@ def main(argv=None) -> int:
                 bf16 = method.endswith("-bf16")
                 onednn = method.endswith("-onednn")
                 noprompt = method.endswith("-noprompt")
-                base = method.removesuffix("-bf16").removesuffix("-onednn").removesuffix("-noprompt").removesuffix("-fused")
+                river_fp32 = method.endswith("-river-fp32")
+                base = (method.removesuffix("-bf16").removesuffix("-onednn").removesuffix("-noprompt").removesuffix("-fused")
+                        .removesuffix("-river-fp32"))
                 base = "lossless" if method in variants else base.removesuffix("-mkl")
                 model = (plain16 if bf16 else plain) if base == "unmodified" else (river16 if bf16 else river)
                 if method.endswith("-fused"):
@@ -226,7 +241,7 @@ def main(argv=None) -> int:
                 mode = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(base)
                 with torch.no_grad(), (settings(model, variants[method]) if method in variants
                                        else contextlib.nullcontext()), (model.river_mode(mode) if mode else contextlib.nullcontext()), \
-                        (packed if onednn else contextlib.nullcontext()), \
+                        (packed if onednn else plain_fp32 if river_fp32 else contextlib.nullcontext()), \
                         (prompt_kernels_off(model) if noprompt else contextlib.nullcontext()), \
                         (backbone_kernel(model, "torch") if method.endswith("-mkl") else contextlib.nullcontext()):
                     timer.reset()

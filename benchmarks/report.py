@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
 #: What each method of heldout_speed is called on the front page.
 NAMES = {"unmodified": "plain transformers fp32", "unmodified-onednn": "plain fp32 on prepacked oneDNN",
+         "unmodified-river-fp32": "plain fp32 on river-fp32 (1-8 rows)",
          "river": "**River** (defaults)", "exit": "fully quantized (every layer its exit copy)",
          "lossless": "**lossless** (the plain model's tokens)", "llama.cpp": "llama.cpp, same GGUF",
          "river-mkl": "River, backbone layers on F.linear (backbone_kernel torch)"}
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--machine-label", required=True, help="a short name for this machine (folder name)")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--methods", default="unmodified,unmodified-onednn,river,exit,lossless,llama.cpp")
+    ap.add_argument("--methods", default="unmodified,unmodified-onednn,unmodified-river-fp32,river,exit,lossless,llama.cpp")
     ap.add_argument("--prompts", default="humaneval:100-107", help="held-out prompts (no default was tuned on them)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

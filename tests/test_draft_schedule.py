@@ -175,6 +175,7 @@ def test_verify_row_costs_are_measured_once_on_the_verify_kernel_and_reported(mo
         return {"torch": 10.0 * rows, "onednn": 100.0 * max(1.0, rows / 16)}
 
     monkeypatch.setattr(PrepackedLinear, "measure", staticmethod(measure))
+    monkeypatch.setattr(verify_kernel, "river_fp32_works", lambda: False)  # F.linear against oneDNN only
     monkeypatch.delenv("RIVER_HF_AUTOTUNE", raising=False)
     monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path))
 

@@ -386,7 +386,7 @@ def test_dense_mode_choices_share_the_exit_kernels_cache_file(cache, monkeypatch
     """Lossless verify and dLLM-Cache's partial steps ask the same tuner: one kernels.json, one entry
     per shape and row count beside the one-row exit-kernel entries, trusted by the same rules,
     listed and re-measured by ``river-hf kernels``."""
-    from river_hf.quant import dense
+    from river_hf.quant import dense_river as dense
 
     scripted_tuner(Script(torch_int4=30.0, quanto_int4=40.0))
     KernelTuner().choose(INT4, nn.Linear(128, 64))

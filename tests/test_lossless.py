@@ -259,6 +259,8 @@ def test_verify_kernel_packs_only_what_fits_and_times_an_mlp_shape(monkeypatch, 
     info = river.river_stats["lossless"]["verify_kernel"]
     assert info["kernel"] == "torch" and info["packed_bytes"] == 0 and "memory available" in info["why"]
     # enough memory, 'auto': one measurement on the most common backbone shape (the MLP's), not the head
+    # (F.linear against oneDNN only: river-fp32's part of the choice is tests/test_river_fp32.py's)
+    monkeypatch.setattr(verify_kernel, "river_fp32_works", lambda: False)
     monkeypatch.setattr(verify_kernel, "available_memory_bytes", lambda: 100 * need)
     timed = []
     prompt_winner = {"torch": 2.0, "onednn": 1.0}

@@ -36,7 +36,7 @@ def positive_int(text: str) -> int:
 #: ``RiverConfig.exit_layer_impl`` values (river_hf.river.config.EXIT_LAYER_IMPLS), without importing torch.
 EXIT_LAYER_IMPLS = ("architecture", "fused", "auto")
 #: ``RiverConfig.backbone_kernel`` values (river_hf.river.config.VERIFY_KERNELS), without importing torch.
-BACKBONE_KERNELS = ("auto", "onednn", "torch")
+BACKBONE_KERNELS = ("auto", "onednn", "river-fp32", "torch")
 #: kernel choices the CLI offers for --backend / --exit-head (river_hf.quant.BACKENDS), without importing torch.
 KERNEL_CHOICES = ("int8", "int4", "int4-g32", "torch-int8", "torch-int4", "torch-int4-g32", "quanto-int8", "quanto-int4",
                   "ort-int4", "ort-int4-g32", "ort-int8", "torch-dyn-int8", "ark-int4", "ark-int8", "river-int4", "quanto",

@@ -272,7 +272,7 @@ class KernelTuner:
         kernels is not available here any more (its library uninstalled, no oneDNN in this torch).
 
         ``measure_modes(candidates, in_features, out_features, rows) -> {name: µs}`` times an entry
-        of dense modes (:func:`river_hf.quant.dense.measure_modes`; passed in, since ``dense``
+        of dense modes (:func:`river_hf.quant.dense_river.measure_modes`; passed in, since ``dense_river``
         imports this module), raising RuntimeError where one is missing."""
         from .kernels import KERNELS
 

@@ -178,7 +178,7 @@ def remeasure(path: Path, shapes: list[str], *, as_json: bool = False) -> int:
         RiverError: a shape has no cached entry for this machine (nothing to measure it for).
     """
     from .autotune import KernelTuner, machine_id, read_cache, update_cache
-    from .dense import measure_modes
+    from .dense_river import measure_modes
 
     entries, _, _ = read_cache(path)
     here = machine_id("cpu")

@@ -332,25 +332,3 @@ class PrepackedLinear(TorchFunctionMode):
             "torch": lambda: [F.linear(x, w) for w in weights],
             "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
         }, rounds, len(weights))  # fmt: skip
-
-
-def measure_modes(candidates, in_features: int, out_features: int, rows: int, **kwargs) -> dict[str, float]:
-    """Time the dense modes ``candidates`` names on ``rows`` fp32 rows of an ``in_features x
-    out_features`` Linear: ``{"torch", "onednn"}`` by :meth:`PrepackedLinear.measure`, ``{"torch",
-    "small-batch"}`` by :meth:`SmallBatchLinear.measure` (``kwargs`` go to it). Used to measure a cached
-    entry of :meth:`~river_hf.quant.autotune.KernelTuner.choose_mode` again (``river-hf kernels
-    --remeasure``).
-
-    Returns:
-        ``{name: median µs per call}``.
-
-    Raises:
-        ValueError: another set of names.
-        RuntimeError: ``onednn`` named and no oneDNN in this torch.
-    """
-    names = set(candidates)
-    if names == {"torch", "onednn"}:
-        return PrepackedLinear.measure(in_features, out_features, rows, **kwargs)
-    if names == {"torch", "small-batch"}:
-        return SmallBatchLinear.measure(in_features, out_features, rows, **kwargs)
-    raise ValueError(f"no measurement times the dense modes {sorted(names)}")

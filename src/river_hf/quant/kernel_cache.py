@@ -137,6 +137,7 @@ DENSE_MODES = {
     "torch": "F.linear (MKL sgemm on x @ W.T)",
     "onednn": "oneDNN linear on weights packed once (PrepackedLinear)",
     "small-batch": "(W @ x.T).T (SmallBatchLinear)",
+    "river-fp32": "river-hf's own few-row fp32 product on the weight as stored (RiverFp32Linear)",
 }
 
 

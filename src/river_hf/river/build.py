@@ -52,7 +52,7 @@ KEEP = object()  # "not given" for settings where None is a value (exit_head=Non
 
 #: Attributes ``enable_river`` puts on the model (``disable_river`` removes them).
 RIVER_ATTRIBUTES = ("river", "river_config", "river_build_seconds", "river_kernel_report",
-                    "_river_step_bytes", "_river_hooks", "_river_verify_linear", "_river_backbone_linear",
+                    "_river_step_bytes", "_river_hooks", "_river_verify_linear",
                     "_river_verify_costs",
                     "_river_warned_lossless_batch",
                     "_river_prints")

@@ -24,7 +24,7 @@ from .strategies import STRATEGIES
 
 #: lossless-mode choices (defined here, at the bottom of the import graph; :mod:`.lossless` reuses them)
 DRAFT_SCHEDULES = tuple(SCHEDULES)  # the built-in ones; validation reads the live registry (:mod:`.draft_schedule`)
-VERIFY_KERNELS = ("auto", "onednn", "torch")  # also the values of backbone_kernel
+VERIFY_KERNELS = ("auto", "onednn", "river-fp32", "torch")  # also the values of backbone_kernel
 #: where a lossless draft pass runs: ``route`` (River's exit path: backbone layers until the draft
 #: rules say exit, then exit layers) or ``exit`` (every layer its exit copy: no backbone layer)
 DRAFT_PATHS = ("route", "exit")
@@ -168,13 +168,14 @@ class RiverConfig:
             arXiv 2502.14856; :mod:`river_hf.river.draft_vocab`), through a quantized copy of those
             rows of the LM head; the verify keeps the full head, so the output is unchanged.
             0: the whole vocabulary (the exit head).
-        verify_kernel: lossless mode, fp32 CPU: ``auto`` (oneDNN on prepacked weights for the
-            multi-token verify passes where it measured faster than ``F.linear``, and for the prompt
-            pass too where it also measured faster at a prompt's row count; costs a packed copy of
-            the backbone's Linear weights), ``onednn`` (both, unmeasured) or ``torch``.
+        verify_kernel: lossless mode, fp32 CPU: ``auto`` (the fastest measured of ``F.linear``,
+            oneDNN on prepacked weights and river-fp32 for the multi-token verify passes and for
+            one-row calls; oneDNN also for the prompt pass where it measured faster at a prompt's
+            row count; oneDNN costs a packed copy of the backbone's Linear weights, river-fp32
+            nothing), ``onednn`` (unmeasured), ``river-fp32`` (unmeasured, up to 8 rows) or ``torch``.
         backbone_kernel: route mode, fp32 CPU: the kernel of the backbone layers River runs (and
-            of the original LM head): ``auto`` (oneDNN on the packed copy ``verify_kernel`` makes,
-            where one-row calls measured faster there than through ``F.linear``), ``onednn``
+            of the original LM head): ``auto`` (the kernel ``verify_kernel`` chose for one-row
+            calls, where it measured faster than ``F.linear``), ``onednn`` or ``river-fp32``
             (unmeasured) or ``torch``; never while the rules cannot exit (τ > 1 stays the plain
             model). See :func:`river_hf.river.verify_kernel.backbone_mode`.
         offload_from: first backbone layer kept off the compute device (None: no offload).

@@ -18,6 +18,7 @@ import time
 import torch
 
 from ..quant.dense import PrepackedLinear, onednn_available
+from ..quant.dense_river import MAX_ROWS as RIVER_FP32_MAX_ROWS, RiverFp32Linear, river_fp32_works
 from .draft_schedule import row_cost_curve
 from .layer import BACKBONE_ONLY
 
@@ -49,16 +50,30 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def _timed(tuner, k_in: int, k_out: int, rows: int) -> tuple[str, dict]:
-    """``F.linear`` against prepacked oneDNN on a ``k_in x k_out`` fp32 product at ``rows`` rows,
-    weights streamed from memory (``tuner.choose_mode``: cached in ``kernels.json``): the faster
-    one's name and both timings (µs)."""
+def _candidates(river: bool = True) -> tuple[str, ...]:
+    """The dense modes timed against ``F.linear`` here: ``onednn`` where this torch has it,
+    ``river-fp32`` (when ``river``) where its kernel runs."""
+    return ("torch", *(("onednn",) if onednn_available() else ()),
+            *(("river-fp32",) if river and river_fp32_works() else ()))
+
+
+def _timed(tuner, k_in: int, k_out: int, rows: int, names: tuple[str, ...] | None = None) -> tuple[str, dict]:
+    """``F.linear`` against the other dense modes ``names`` (default :func:`_candidates`) on a
+    ``k_in x k_out`` fp32 product at ``rows`` rows, weights streamed from memory, all in one run
+    (``tuner.choose_mode``: cached in ``kernels.json``): the fastest one's name and every timing (µs)."""
     from ..quant.autotune import LinearSpec, last_level_cache_bytes
 
+    names = _candidates() if names is None else names
     available = available_memory_bytes() or 0
     stream = min(2 * last_level_cache_bytes(), int(0.1 * available)) if available else None
-    return tuner.choose_mode(LinearSpec(k_in, k_out, False), rows, ("torch", "onednn"),
-                             lambda: PrepackedLinear.measure(k_in, k_out, rows, stream_bytes=stream))
+    measure = RiverFp32Linear.measure if "river-fp32" in names else PrepackedLinear.measure
+    return tuner.choose_mode(LinearSpec(k_in, k_out, False), rows, names,
+                             lambda: {k: v for k, v in measure(k_in, k_out, rows, stream_bytes=stream).items()
+                                      if k in names})
+
+
+def _faster(timings: dict, name: str, than: str = "torch") -> bool:
+    return name in timings and timings[name] < timings[than]
 
 
 def _representative_shape(linears, head) -> tuple[int, int]:
@@ -122,8 +137,8 @@ def verify_mode(model, choice: str, rows: int):
             "one_row_timing_us": None, "repacked": 0}
     if choice == "torch":
         return None, {**info, "why": "verify_kernel='torch'"}
-    if not onednn_available():
-        return None, {**info, "why": "this torch build has no oneDNN"}
+    if not onednn_available() and not river_fp32_works():
+        return None, {**info, "why": "this torch build has no oneDNN and river-fp32 cannot run here"}
     with _PACK_LOCK:
         cached = model.__dict__.get("_river_verify_linear")
         if cached is None:
@@ -148,41 +163,78 @@ def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
                and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     if not linears:
         return False, {**info, "why": "no fp32 CPU backbone Linear"}
+    if choice == "river-fp32":
+        if not river_fp32_works():
+            why = "river-fp32 cannot run here: verify passes use F.linear"
+            warnings.warn(f"River lossless verify_kernel='river-fp32': {why}", UserWarning, stacklevel=4)
+            return False, {**info, "why": why}
+        mode = RiverFp32Linear(linears, min_rows=1, max_rows=max(2, min(rows, RIVER_FP32_MAX_ROWS)))
+        return mode, {**info, "kernel": "river-fp32", "why": "verify_kernel='river-fp32'", "one_row": "river-fp32"}
     need = sum(m.weight.numel() * 4 for m in linears)
     available = available_memory_bytes()
-    if available is None or need > PACK_MEMORY_SHARE * available:
+    pack_why = None
+    if not onednn_available():
+        pack_why = "this torch build has no oneDNN"
+    elif available is None or need > PACK_MEMORY_SHARE * available:
         have = "unknown" if available is None else f"{available / 1e9:.1f} GB"
-        why = (f"a packed copy of the backbone Linears needs {need / 1e9:.2f} GB, more than "
-               f"{PACK_MEMORY_SHARE:.0%} of the memory available ({have}): verify passes use F.linear")
-        if choice == "onednn":
-            warnings.warn(f"River lossless verify_kernel='onednn': {why}", UserWarning, stacklevel=4)
-        return False, {**info, "why": why}
-    if choice == "auto":
-        tuner = default_tuner()
-        if tuner is None:
-            return False, {**info, "why": "RIVER_HF_AUTOTUNE=0: not measured, not packed"}
-        k_in, k_out = _representative_shape(linears, head)
-
-        def faster(timed_rows: int) -> tuple[str, dict]:  # F.linear or oneDNN at that many rows (cached)
-            return _timed(tuner, k_in, k_out, timed_rows)
-
-        best, timing = faster(max(2, min(rows, 8)))
-        info.update(timing_us=timing, shape=f"{k_in}x{k_out}")
-        if best != "onednn":
-            return False, {**info, "why": "F.linear measured faster than prepacked oneDNN"}
-        info["why"] = "prepacked oneDNN measured faster than F.linear"
-        best, info["prompt_timing_us"] = faster(PROMPT_TIMED_ROWS)
-        prompt = best == "onednn"
-        best, info["one_row_timing_us"] = faster(1)
-        one_row = best == "onednn"
+        pack_why = (f"a packed copy of the backbone Linears needs {need / 1e9:.2f} GB, more than "
+                    f"{PACK_MEMORY_SHARE:.0%} of the memory available ({have}): verify passes use F.linear")
+    if choice == "onednn":
+        if pack_why is not None:
+            warnings.warn(f"River lossless verify_kernel='onednn': {pack_why}", UserWarning, stacklevel=4)
+            return False, {**info, "why": pack_why}
+        mode = PrepackedLinear(linears, max_rows=PROMPT_MAX_ROWS, min_rows=1)
+        return mode, {**info, "kernel": "onednn-prepacked", "why": "verify_kernel='onednn'",
+                      "packed_bytes": mode.packed_bytes, "prompt": "onednn-prepacked", "one_row": "onednn-prepacked"}
+    tuner = default_tuner()
+    if tuner is None:
+        return False, {**info, "why": "RIVER_HF_AUTOTUNE=0: not measured, not packed"}
+    k_in, k_out = _representative_shape(linears, head)
+    verify_rows = max(2, min(rows, RIVER_FP32_MAX_ROWS))
+    best, timing = _timed(tuner, k_in, k_out, verify_rows)
+    info.update(timing_us=timing, shape=f"{k_in}x{k_out}")
+    river_rows = best == "river-fp32"  # a verify pass's rows (up to RIVER_FP32_MAX_ROWS) on river-fp32
+    packed = None
+    if pack_why is None and _faster(timing, "onednn"):  # oneDNN beat F.linear at the verify rows: pack
+        info["prompt_timing_us"] = _timed(tuner, k_in, k_out, PROMPT_TIMED_ROWS, ("torch", "onednn"))[1]
+        prompt = _faster(info["prompt_timing_us"], "onednn")
+        _, info["one_row_timing_us"] = _timed(tuner, k_in, k_out, 1)
+        one_row = _faster(info["one_row_timing_us"], "onednn")
+        packed = PrepackedLinear(linears, max_rows=PROMPT_MAX_ROWS if prompt else max(2, rows),
+                                 min_rows=1 if one_row else 2)
+        info.update(kernel="onednn-prepacked", packed_bytes=packed.packed_bytes,
+                    prompt="onednn-prepacked" if prompt else "torch",
+                    one_row="onednn-prepacked" if one_row else "torch",
+                    why="prepacked oneDNN measured faster than F.linear")
+    elif pack_why is None:
+        info["why"] = "F.linear measured faster than prepacked oneDNN"
     else:
-        info["why"] = "verify_kernel='onednn'"
-        prompt = one_row = True
-    mode = PrepackedLinear(linears, max_rows=PROMPT_MAX_ROWS if prompt else max(2, rows),
-                           min_rows=1 if one_row else 2)
-    return mode, {**info, "kernel": "onednn-prepacked", "packed_bytes": mode.packed_bytes,
-                  "prompt": "onednn-prepacked" if prompt else "torch",
-                  "one_row": "onednn-prepacked" if one_row else "torch"}
+        info["why"] = pack_why
+    if "river-fp32" in timing:
+        if info["one_row_timing_us"] is None:
+            _, info["one_row_timing_us"] = _timed(tuner, k_in, k_out, 1)
+        one_row_river = min(info["one_row_timing_us"], key=info["one_row_timing_us"].get) == "river-fp32"
+        if river_rows or one_row_river:
+            mode = RiverFp32Linear(linears, min_rows=1 if one_row_river else 2,
+                                   max_rows=verify_rows if river_rows else 1, fallback=packed)
+            if river_rows:
+                info["kernel"] = "river-fp32"
+            if one_row_river:
+                info["one_row"] = "river-fp32"
+            info["why"] = (f"river-fp32 measured fastest at {'one row' if not river_rows else f'{verify_rows} rows'}"
+                           + (" and one row" if river_rows and one_row_river else "") + "; " + info["why"])
+            return mode, {**info, "max_rows": rows}
+    return packed or False, info
+
+
+def kernel_at(mode, rows: int) -> str:
+    """The dense mode name (``river-fp32``, ``onednn`` or ``torch``) that takes an fp32 call of
+    ``rows`` rows inside ``mode`` (a verify or backbone mode, or None), down its fallbacks."""
+    while mode is not None:
+        if mode.min_rows <= rows <= mode.max_rows:
+            return "river-fp32" if isinstance(mode, RiverFp32Linear) else "onednn"
+        mode = getattr(mode, "fallback", None)
+    return "torch"
 
 
 def verify_row_costs(model, mode):
@@ -212,16 +264,14 @@ def verify_row_costs(model, mode):
     tuner = default_tuner()
     linears = [m for m in model.river_backbone_modules() if isinstance(m, torch.nn.Linear)
                and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
-    if tuner is None or not linears or not onednn_available():
+    names = _candidates(river=isinstance(mode, RiverFp32Linear))
+    if tuner is None or not linears or len(names) == 1:
         return None  # not kept: a later call may have a tuner (RIVER_HF_AUTOTUNE set again)
     head = model.get_output_embeddings()
     k_in, k_out = _representative_shape(linears, getattr(head, "backbone", head))
 
-    def kernel(rows: int) -> str:
-        return "onednn" if mode is not None and mode.min_rows <= rows <= mode.max_rows else "torch"
-
-    timings = {rows: _timed(tuner, k_in, k_out, rows)[1] for rows in COST_ROWS}
-    points = [(rows, timings[rows][kernel(rows)] / timings[1][kernel(rows)]) for rows in COST_ROWS]
+    timings = {rows: _timed(tuner, k_in, k_out, rows, names)[1] for rows in COST_ROWS}
+    points = [(rows, timings[rows][kernel_at(mode, rows)] / timings[1][kernel_at(mode, rows)]) for rows in COST_ROWS]
     curve = model._river_verify_costs = row_cost_curve(points)
     return curve
 
@@ -263,31 +313,23 @@ def backbone_mode(model, choice: str):
     copy, copy_info = verify_mode(model, choice, model.river_config.max_draft_tokens + 1)
     if copy is None:
         return None, {**info, "why": copy_info["why"]}
-    with _PACK_LOCK:
-        decided = model.__dict__.get("_river_backbone_linear")
-        if decided is None:
-            decided = model._river_backbone_linear = _decide_one_row(model, choice, copy_info)
-    if not decided["use"]:
-        return None, {**info, "why": decided["why"], "timing_us": decided["timing_us"]}
-    mode = copy.with_rows(min_rows=1)
-    return mode, {**info, "kernel": "onednn-prepacked", "why": decided["why"], "timing_us": decided["timing_us"],
-                  "packed_bytes": copy.packed_bytes, "max_rows": mode.max_rows}
+    timing = copy_info["one_row_timing_us"]
+    kernel = kernel_at(copy, 1)
+    if kernel == "torch":
+        return None, {**info, "why": "F.linear measured fastest at one row", "timing_us": timing}
+    why = (f"backbone_kernel={choice!r}" if choice != "auto"
+           else f"{'river-fp32' if kernel == 'river-fp32' else 'prepacked oneDNN'} measured fastest at one row")
+    mode = copy.with_rows()  # a view: its own count of rerouted calls
+    return mode, {**info, "kernel": copy_info["one_row"], "why": why, "timing_us": timing,
+                  "packed_bytes": copy.packed_bytes, "max_rows": _max_rows(copy)}
 
 
-def _decide_one_row(model, choice: str, copy_info: dict) -> dict:
-    """Whether one-row backbone calls go to the packed copy (``auto``: measured, cached)."""
-    if choice == "onednn":
-        return {"use": True, "why": "backbone_kernel='onednn'", "timing_us": None}
-    from ..quant.autotune import default_tuner
-
-    tuner = default_tuner()
-    if tuner is None:
-        return {"use": False, "why": "RIVER_HF_AUTOTUNE=0: not measured, not used", "timing_us": None}
-    k_in, k_out = (int(x) for x in copy_info["shape"].split("x"))
-    best, timing = _timed(tuner, k_in, k_out, 1)
-    if best != "onednn":
-        return {"use": False, "why": "F.linear measured faster than prepacked oneDNN at one row", "timing_us": timing}
-    return {"use": True, "why": "prepacked oneDNN measured faster than F.linear at one row", "timing_us": timing}
+def _max_rows(mode) -> int:
+    """The most rows a call may have to be rerouted by ``mode`` or its fallbacks."""
+    rows = 0
+    while mode is not None:
+        rows, mode = max(rows, mode.max_rows), getattr(mode, "fallback", None)
+    return rows
 
 
 def backbone_hooks(modules, router) -> list:

@@ -475,6 +475,111 @@ torch::Tensor attention_out(torch::Tensor query, torch::Tensor keys, torch::Tens
   return mm(gu, down_packed, down_bias, down_group, c10::nullopt, 0.0, true, h);
 }
 
+
+// ---- dense_mm: river-fp32, a few fp32 rows times an fp32 weight as nn.Linear stores it ----
+// y[r, n] = sum_k x[r, k] W[n, k] (+ b[n]), reading W ([N, K] row-major, the nn.Linear layout, no copy)
+// from memory once per call. Each (row, output) keeps one 8-lane fp32 accumulator over k
+// in steps of 8 (FMA; the last partial step masked), summed across lanes at the end in a fixed order, so a
+// row's numbers do not depend on the other rows of the call or on the thread count. A block of NW weight
+// rows shares each x load (NW x R accumulators fit the 16 AVX registers). AVX2 + FMA, also in the AVX-512
+// build (a memory-bound product gains nothing from wider vectors).
+inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R, int NW>
+void dense_block(const float* x, int64_t K, const float* W, int64_t n, int64_t N, const float* bias, float* y,
+                 __m256i tail) {
+  __m256 acc[R][NW];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NW; ++j) acc[r][j] = _mm256_setzero_ps();
+  const float* w = W + n * K;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NW];
+    for (int j = 0; j < NW; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int j = 0; j < NW; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+    }
+  }
+  if (k < K) {
+    __m256 wv[NW];
+    for (int j = 0; j < NW; ++j) wv[j] = _mm256_maskload_ps(w + j * K + k, tail);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_maskload_ps(x + r * K + k, tail);
+      for (int j = 0; j < NW; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NW; ++j) y[r * N + n + j] = hsum8(acc[r][j]) + (bias ? bias[n + j] : 0.0f);
+}
+
+// A call with R rows: the outputs in blocks of NW weight rows, split between threads; each block is read
+// from memory once and used for every chunk of up to 6 rows while it sits in L1.
+template <int NW>
+void dense_chunk(const float* x, int64_t rows, int64_t K, const float* W, int64_t n, int64_t N, const float* bias,
+                 float* y, __m256i tail) {
+  switch (rows) {
+    case 1: dense_block<1, NW>(x, K, W, n, N, bias, y, tail); break;
+    case 2: dense_block<2, NW>(x, K, W, n, N, bias, y, tail); break;
+    case 3: dense_block<3, NW>(x, K, W, n, N, bias, y, tail); break;
+    case 4: dense_block<4, NW>(x, K, W, n, N, bias, y, tail); break;
+    case 5: dense_block<5, NW>(x, K, W, n, N, bias, y, tail); break;
+    default: dense_block<6, NW>(x, K, W, n, N, bias, y, tail); break;
+  }
+}
+
+template <int NW>
+void dense_rows(const float* x, int64_t M, int64_t K, const float* W, int64_t N, const float* bias, float* y) {
+  alignas(32) int32_t m[8];
+  for (int i = 0; i < 8; ++i) m[i] = (K % 8 != 0 && i < K % 8) ? -1 : 0;
+  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
+  const int64_t blocks = (N + NW - 1) / NW;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * NW;
+      for (int64_t r0 = 0; r0 < M; r0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, M - r0);
+        if (n + NW <= N) {
+          dense_chunk<NW>(x + r0 * K, rows, K, W, n, N, bias, y + r0 * N, tail);
+        } else {
+          for (int64_t j = n; j < N; ++j) dense_chunk<1>(x + r0 * K, rows, K, W, j, N, bias, y + r0 * N, tail);
+        }
+      }
+    }
+  });
+}
+
+// x [..., K] float32, weight [N, K] float32 (contiguous), bias [N] float32 or none -> [..., N] float32
+torch::Tensor dense_mm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "dense_mm: float32 only");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && x.size(-1) == weight.size(1),
+              "dense_mm: weight must be a contiguous [N, K] matrix with K = x.size(-1)");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  const float* b = nullptr;
+  torch::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == N, "dense_mm: bias must be float32 [N]");
+    bias_c = bias->contiguous();
+    b = bias_c.data_ptr<float>();
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty({M, N}, x2.options());
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M == 1) dense_rows<4>(xp, M, K, wp, N, b, yp);
+  else dense_rows<2>(xp, M, K, wp, N, b, yp);
+  return y.view(sizes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -483,5 +588,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_in", &attention_in, "Llama-family exit layer: input norm, q/k/v product, rotary");
   m.def("set_product_clock", &set_product_clock, "start (true) or stop adding up the products' wall time");
   m.def("product_ns", &product_ns, "nanoseconds of products added up while the product clock was on");
+  m.def("dense_mm", &dense_mm, "river-fp32: fp32 rows times an nn.Linear weight [N, K], up to 8 rows per read of it");
   m.def("attention_out", &attention_out, "Llama-family exit layer: SDPA, o product, norm, gate/up, silu*up, down");
 }
