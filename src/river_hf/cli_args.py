@@ -65,9 +65,9 @@ def add_river_arguments(p, *, min_layer: bool = True) -> None:
                         "quantized Linears), fused (River's fused layer where its family has one: Llama, Qwen2, "
                         "Mistral; warns otherwise) or auto (fused where supported, silently) (default: per-model config)")
     p.add_argument("--backbone-kernel", default=None, choices=BACKBONE_KERNELS,
-                   help="fp32 CPU, route mode: the backbone layers River runs read a packed oneDNN copy of their "
-                        "weights (auto: where one-row calls measured faster; onednn: always; torch: never; τ > 1 "
-                        "never does) (default: auto)")
+                   help="fp32 CPU, route mode: the kernel of the backbone layers River runs (auto: the fastest "
+                        "measured at one row of F.linear, river-fp32 and a packed oneDNN copy; onednn, river-fp32: "
+                        "always; torch: never; τ > 1 never does) (default: auto)")
 
 
 def river_overrides(args) -> dict:
