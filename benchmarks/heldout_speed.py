@@ -23,7 +23,9 @@ each (every row exactly ``--new-tokens``; tokens/s count every row's tokens). Me
 - ``unmodified-river-fp32``: the plain fp32 model with every Linear call of 1-8 rows on river-hf's own
   fp32 product (``river_hf.quant.dense_river.RiverFp32Linear``, on the weights as they are, no copy) and
   longer calls (the prompt pass) on the ``unmodified-onednn`` copy where that method runs too, else on
-  ``F.linear``: the plain model on the fastest fp32 kernels River itself uses;
+  ``F.linear``: the plain model on the fastest fp32 kernels River itself uses. Both plain-model
+  methods enter their mode around each Linear only (``linears_in_mode``), the scope River gives its
+  backbone kernel, so neither side pays the mode's dispatch on its other ops;
 - ``river-onednn``: River (route mode) with its backbone Linears' calls on that same packed copy (the
   plain model shares River's backbone tensors; the exit layers keep their quantized kernels): what
   routing River's one-row backbone products through oneDNN would give, measured before building it;
@@ -74,8 +76,8 @@ import time
 import torch
 
 from river_hf.bench_harness import (EOS_SUPPRESSED, LlamaCppRunner, available, config_overrides, exact_generation,
-                                    left_padded, lossless_settings, parse_prompt_sets, plain_onednn_mode,
-                                    prompt_kernels_off, prompt_texts, split_methods)
+                                    left_padded, linears_in_mode, lossless_settings, parse_prompt_sets,
+                                    plain_onednn_mode, prompt_kernels_off, prompt_texts, split_methods)
 from river_hf.bench_harness.output import command_line, compare_protocol, write_report
 from river_hf.quant.dense_river import RiverFp32Linear
 
@@ -217,6 +219,10 @@ def main(argv=None) -> int:
         except RuntimeError as e:
             ap.error(f"unmodified-river-fp32: {e}; leave it out")
 
+    # where the *-onednn / *-river-fp32 methods enter their mode: around each Linear that it may reroute
+    # (River's own scope for its backbone kernel), the plain model's every Linear, River's backbone ones
+    model_linears = {id(m): [x for x in (m.river_backbone_modules() if m is river else m.modules())
+                             if isinstance(x, torch.nn.Linear)] for m in (plain, river)}
     tokens: dict[str, list[list[int]]] = {}
     stats: dict[str, list[dict]] = {}
 
@@ -241,7 +247,8 @@ def main(argv=None) -> int:
                 mode = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(base)
                 with torch.no_grad(), (settings(model, variants[method]) if method in variants
                                        else contextlib.nullcontext()), (model.river_mode(mode) if mode else contextlib.nullcontext()), \
-                        (packed if onednn else plain_fp32 if river_fp32 else contextlib.nullcontext()), \
+                        (linears_in_mode(model_linears[id(model)], packed if onednn else plain_fp32)
+                         if onednn or river_fp32 else contextlib.nullcontext()), \
                         (prompt_kernels_off(model) if noprompt else contextlib.nullcontext()), \
                         (backbone_kernel(model, "torch") if method.endswith("-mkl") else contextlib.nullcontext()):
                     timer.reset()

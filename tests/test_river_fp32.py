@@ -13,7 +13,7 @@ from test_river_core import tiny_model
 
 from river_hf import RiverConfig
 from river_hf.quant import river_int4
-from river_hf.quant.dense import PrepackedLinear, onednn_available
+from river_hf.quant.dense import PrepackedLinear, linear_mode_hooks, onednn_available
 from river_hf.quant.dense_river import RiverFp32Linear, river_fp32_works
 from river_hf.river import verify_kernel
 
@@ -145,3 +145,42 @@ def test_river_fp32_by_name_is_unmeasured_and_takes_up_to_eight_rows():
     routed = river("llama", tau=MIXED_TAU["llama"], backbone_kernel="river-fp32")
     _generate(routed)
     assert routed.river_stats["backbone_kernel"]["kernel"] == "river-fp32"
+
+
+def test_kernel_modes_are_entered_around_the_backbone_linears_only(monkeypatch):
+    """River enters its backbone and verify kernel modes around each backbone Linear
+    (``verify_kernel.backbone_hooks``): the mode sees F.linear calls only, never the layers'
+    other ops, and no mode is left entered after a call, a failed forward included."""
+    seen = []
+    original = RiverFp32Linear.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(RiverFp32Linear, "__torch_function__", spy)
+    routed = river("llama", tau=MIXED_TAU["llama"], backbone_kernel="river-fp32")
+    _generate(routed)
+    assert routed.river_stats["backbone_kernel"]["kernel"] == "river-fp32" and F.linear in seen
+    base = tiny_model("qwen2")
+    model = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="river-fp32"))
+    ids = prompt(10)
+    assert torch.equal(model.generate(ids, max_new_tokens=10, **GEN), base.generate(ids, max_new_tokens=10, **GEN))
+    assert model._river_verify_linear[0].calls_rerouted > 0
+    assert set(seen) == {F.linear}
+
+    seen.clear()
+    linear = torch.nn.Linear(8, 4)
+    handles = linear_mode_hooks([linear], lambda: RiverFp32Linear([linear]))
+    with pytest.raises(RuntimeError):
+        linear(torch.randn(2, 5))  # wrong width: F.linear raises inside the mode
+    torch.ones(2).add(1)
+    assert seen == [F.linear]  # the mode was exited after the failure: the add passed it by
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.allclose(linear(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-6)
+    assert seen == [F.linear, F.linear]
+    for handle in handles:
+        handle.remove()
+    linear(x)
+    assert seen == [F.linear, F.linear]  # hooks removed: no mode

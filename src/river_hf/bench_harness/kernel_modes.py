@@ -1,5 +1,6 @@
 """The kernel treatments the benchmarks give their methods: the plain model on prepacked oneDNN
-(:func:`plain_onednn_mode`), the verify-kernel mode entered for multi-row forwards only
+(:func:`plain_onednn_mode`), a kernel mode entered around given Linears (:func:`linears_in_mode`,
+as River enters its own), the verify-kernel mode entered for multi-row forwards only
 (:func:`multi_row_kernel_hooks`) and prompt kernels bypassed (:func:`prompt_kernels_off`)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import contextlib
 
 import torch
 
-__all__ = ["plain_onednn_mode", "multi_row_kernel_hooks", "prompt_kernels_off", "all_modules"]
+__all__ = ["plain_onednn_mode", "linears_in_mode", "multi_row_kernel_hooks", "prompt_kernels_off", "all_modules"]
 
 
 def all_modules(model) -> list:
@@ -47,6 +48,22 @@ def plain_onednn_mode(river, plain, max_rows: int):
         raise ValueError(f"the packed copy of the plain model's Linears needs {need / 1e9:.2f} GB, more than "
                          f"{lossless.PACK_MEMORY_SHARE:.0%} of the memory available ({have})")
     return PrepackedLinear(linears, max_rows=max_rows, min_rows=1), "its own copy"
+
+
+@contextlib.contextmanager
+def linears_in_mode(linears, mode):
+    """Within the block, each of ``linears`` (``nn.Linear``) runs its forward inside the
+    ``TorchFunctionMode`` ``mode`` (:func:`river_hf.quant.dense.linear_mode_hooks`), the scope River
+    gives its own backbone kernel modes: a baseline on the same kernel pays the same dispatch, no
+    more (a mode around the whole forward sends every op through Python). Yields ``mode``."""
+    from ..quant.dense import linear_mode_hooks
+
+    handles = linear_mode_hooks(list(linears), lambda: mode)
+    try:
+        yield mode
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def multi_row_kernel_hooks(model, mode) -> list:

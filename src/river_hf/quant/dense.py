@@ -22,15 +22,58 @@ The result equals ``F.linear``'s up to fp32 summation order (relative error ~1e-
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .autotune import alternating_medians, last_level_cache_bytes
 
-__all__ = ["SmallBatchLinear", "PrepackedLinear", "WeightFingerprint", "onednn_available"]
+__all__ = ["SmallBatchLinear", "PrepackedLinear", "WeightFingerprint", "onednn_available", "linear_mode_hooks"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _linear_args(func, args, kwargs):
+    """``(x, weight, bias)`` of an ``F.linear`` call a mode of this package may reroute, else None
+    (another function, an ``out=`` argument, or CPU autocast on: those calls pass through)."""
+    if func is not F.linear or "out" in kwargs or torch.is_autocast_enabled("cpu"):  # F.linear is torch._C._nn.linear
+        return None
+    x = args[0] if args else kwargs["input"]
+    weight = args[1] if len(args) > 1 else kwargs["weight"]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    return x, weight, bias
+
+
+def linear_mode_hooks(linears, pick) -> list:
+    """Forward hooks that run each of ``linears`` (``nn.Linear``) inside the ``TorchFunctionMode``
+    ``pick()`` returns at its call (None: no mode); returns the handles to remove.
+
+    Why per Linear: a mode entered around a whole decoder layer sends every op of the layer (norms,
+    rotary, attention, views: ~70 per Qwen2 layer) through its Python ``__torch_function__``. On the
+    2-core AVX2 AMD EPYC, a one-token step of the plain 0.5B model on river-fp32 took 155.6 ms
+    (151.6-165.7) with the mode around the whole forward and 149.8 ms (149.6-154.1) with it entered
+    around each Linear only (206.3 ms on plain ``F.linear``; ``benchmarks/probes/mode_scope.py``, 5
+    alternating rounds). The modes reroute only their own Linears' ``F.linear`` calls, so the two
+    scopes compute the same thing. The exit hook runs even when the forward raises; each thread keeps its
+    own record of the modes it entered."""
+    local = threading.local()
+
+    def enter(module, args):
+        mode = pick()
+        if mode is not None:
+            mode.__enter__()
+        local.__dict__.setdefault("entered", []).append(mode)
+
+    def leave(module, args, output=None):
+        entered = local.__dict__.get("entered")
+        mode = entered.pop() if entered else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    return [h for m in linears for h in (m.register_forward_pre_hook(enter),
+                                         m.register_forward_hook(leave, always_call=True))]
 
 
 class SmallBatchLinear(TorchFunctionMode):
@@ -70,10 +113,9 @@ class SmallBatchLinear(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and "out" not in kwargs and not torch.is_autocast_enabled("cpu"):  # F.linear is torch._C._nn.linear
-            x = args[0] if args else kwargs["input"]
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        call = _linear_args(func, args, kwargs)
+        if call is not None:
+            x, weight, bias = call
             if self._eligible(x, weight, bias):
                 self.calls_rerouted += 1
                 x2d = x.reshape(-1, x.shape[-1])
@@ -297,10 +339,9 @@ class PrepackedLinear(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and "out" not in kwargs and not torch.is_autocast_enabled("cpu"):
-            x = args[0] if args else kwargs["input"]
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        call = _linear_args(func, args, kwargs)
+        if call is not None:
+            x, weight, bias = call
             entry = self._packed.get(id(weight))
             if (entry is not None and entry.same_tensor(weight) and type(x) in _PLAIN and x.dtype == torch.float32
                     and x.device.type == "cpu" and (bias is None or (bias.dtype == torch.float32 and type(bias) in _PLAIN))):

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import river_int4
 from .autotune import alternating_medians
-from .dense import _PLAIN, PrepackedLinear, SmallBatchLinear, _check_rows, _streamed_weights, onednn_available
+from .dense import _PLAIN, PrepackedLinear, SmallBatchLinear, _check_rows, _linear_args, _streamed_weights, onednn_available
 
 __all__ = ["RiverFp32Linear", "river_fp32_works", "measure_modes", "MAX_ROWS"]
 
@@ -113,10 +113,9 @@ class RiverFp32Linear(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and "out" not in kwargs and not torch.is_autocast_enabled("cpu"):
-            x = args[0] if args else kwargs["input"]
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        call = _linear_args(func, args, kwargs)
+        if call is not None:
+            x, weight, bias = call
             if (self._weights.get(id(weight)) is weight and _eligible_weight(weight) and type(x) in _PLAIN
                     and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() and x.shape[-1] == weight.shape[1]
                     and (bias is None or (type(bias) in _PLAIN and bias.dtype == torch.float32 and bias.dim() == 1))):

@@ -143,10 +143,12 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
     config = dataclasses.replace(asked, kernel_choice=plan.chosen or None)  # saved with the folder
     if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
         offload_backbone(layers, config.offload_from, config.offload_dir)
-    hooks = _register_router_hooks(stack, router) + _register_verify_hooks(model, router)
+    hooks = _register_router_hooks(stack, router)
     head = model.get_output_embeddings()
-    hooks += backbone_hooks([layer.backbone for layer in layers if isinstance(layer, RiverLayer)]
-                            + ([head.backbone] if isinstance(head, RiverHead) else []), router)
+    # the Linears of model.river_backbone_modules(): the kernel modes reroute only those
+    backbones = [layer.backbone if isinstance(layer, RiverLayer) else layer for layer in layers]
+    backbones += [head.backbone if isinstance(head, RiverHead) else head] if head is not None else []
+    hooks += backbone_hooks([m for b in backbones for m in b.modules() if isinstance(m, nn.Linear)], router)
     hooks.append(model.register_load_state_dict_post_hook(_refresh_after_load))
     return {"river": router, "river_config": config, "river_build_seconds": build_seconds,
             "river_kernel_report": report,
@@ -430,32 +432,6 @@ def _refuse_compile() -> None:
         "River models cannot be compiled with torch.compile: the exit decision after each backbone layer is "
         "data-dependent Python control flow; run the model uncompiled (a static cache works uncompiled)"
     )
-
-
-def _register_verify_hooks(model: nn.Module, router: RiverRouter) -> list:
-    """Around each forward of the whole model: a lossless call's backbone passes (prefill,
-    verify; not the drafts, which run in ``route`` mode) run inside its verify kernel mode
-    (``GenerateCall.verify_linear``, :func:`river_hf.river.verify_kernel.verify_mode`), the LM head
-    included. The exit hook runs even when the forward raises, so no mode is left entered. A
-    forward outside a ``generate`` call (``router.current_call`` None) enters nothing."""
-
-    def enter(module, args, kwargs):
-        call = router.current_call
-        if call is None:
-            return
-        mode = call.verify_linear if router.mode == LOSSLESS else None
-        if mode is not None:
-            mode.__enter__()
-        call.kernel_modes.append(mode)
-
-    def leave(module, args, kwargs, output=None):
-        call = router.current_call
-        mode = call.kernel_modes.pop() if call is not None and call.kernel_modes else None
-        if mode is not None:
-            mode.__exit__(None, None, None)
-
-    return [model.register_forward_pre_hook(enter, with_kwargs=True),
-            model.register_forward_hook(leave, with_kwargs=True, always_call=True)]
 
 
 def _register_router_hooks(stack: nn.Module, router: RiverRouter) -> list:

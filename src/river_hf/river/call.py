@@ -43,8 +43,6 @@ class GenerateCall:
         backbone_linear: the ``TorchFunctionMode`` a route-mode call's backbone layers and original
             LM head run their Linears in (:func:`~river_hf.river.verify_kernel.backbone_mode`), None:
             plain ``F.linear``. backbone_kernel: what that function said (reported in ``river_stats``).
-        kernel_modes: the kernel modes the model's forward pre-hooks entered (None where one entered
-            none), one per module call in flight; its forward hook exits and pops them.
     """
 
     lossless: bool = False
@@ -54,7 +52,6 @@ class GenerateCall:
     first_stop: object | None = None
     backbone_linear: object | None = None
     backbone_kernel: dict | None = None
-    kernel_modes: list = field(default_factory=list)
 
     @property
     def draft_path(self) -> str:

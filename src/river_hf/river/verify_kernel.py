@@ -6,8 +6,8 @@ A lossless call's verify passes (k + 1 rows) and its prompt pass run on the back
 models their Linears may run through :class:`river_hf.quant.dense.PrepackedLinear` (oneDNN on a
 prepacked copy of the weights) where that measured faster and the copy fits in memory
 (``RiverConfig.verify_kernel``). :func:`verify_mode` decides once per model and refreshes the copy
-on every call; the call holds the result (``GenerateCall.verify_linear``) and the model's forward
-hooks enter it around backbone passes.
+on every call; the call holds the result (``GenerateCall.verify_linear``) and forward hooks on the
+backbone's Linears enter it in backbone passes (:func:`backbone_hooks`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from ..quant.dense import PrepackedLinear, onednn_available
+from ..quant.dense import PrepackedLinear, linear_mode_hooks, onednn_available
 from ..quant.dense_river import MAX_ROWS as RIVER_FP32_MAX_ROWS, RiverFp32Linear, river_fp32_works
 from .draft_schedule import row_cost_curve
-from .layer import BACKBONE_ONLY
+from .layer import BACKBONE_ONLY, LOSSLESS
 
 __all__ = ["verify_mode", "backbone_mode", "backbone_hooks", "backbone_step_seconds", "available_memory_bytes",
            "verify_row_costs", "PACK_MEMORY_SHARE", "PROMPT_TIMED_ROWS", "PROMPT_MAX_ROWS", "COST_ROWS"]
@@ -332,30 +332,22 @@ def _max_rows(mode) -> int:
     return rows
 
 
-def backbone_hooks(modules, router) -> list:
-    """Forward hooks on each of ``modules`` (the backbone decoder layers and the original LM head)
-    that run the module inside its call's :attr:`GenerateCall.backbone_linear
-    <river_hf.river.call.GenerateCall.backbone_linear>` (when the call in flight has one; the exit
-    layers and the exit head stay outside it, so their many small ops pay no mode dispatch);
-    returns the handles. The exit hook runs even when the forward raises."""
+def backbone_hooks(linears, router) -> list:
+    """Forward hooks on each of ``linears`` (the backbone decoder layers' ``nn.Linear`` modules and
+    the original LM head) that run the Linear inside its call's kernel mode: a lossless call's
+    :attr:`~river_hf.river.call.GenerateCall.verify_linear` in its backbone passes (prefill and
+    verify, ``router.mode`` lossless), else the call's :attr:`~river_hf.river.call.GenerateCall.backbone_linear`
+    (route mode's backbone layers); nothing outside a ``generate`` call. Only the Linears: the
+    layers' other ops (norms, rotary, attention) and the exit layers pay no mode dispatch
+    (:func:`~river_hf.quant.dense.linear_mode_hooks`). Returns the handles."""
 
-    def enter(module, args, kwargs):
+    def pick():
         call = router.current_call
         if call is None:
-            return
-        mode = call.backbone_linear
-        if mode is not None:
-            mode.__enter__()
-        call.kernel_modes.append(mode)
+            return None
+        return call.verify_linear if router.mode == LOSSLESS else call.backbone_linear
 
-    def leave(module, args, kwargs, output=None):
-        call = router.current_call
-        mode = call.kernel_modes.pop() if call is not None and call.kernel_modes else None
-        if mode is not None:
-            mode.__exit__(None, None, None)
-
-    return [h for m in modules for h in (m.register_forward_pre_hook(enter, with_kwargs=True),
-                                         m.register_forward_hook(leave, with_kwargs=True, always_call=True))]
+    return linear_mode_hooks(linears, pick)
 
 
 def backbone_step_seconds(model, repeats: int = 3) -> float:
