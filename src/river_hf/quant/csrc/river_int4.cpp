@@ -335,6 +335,55 @@ inline void block_rows(const Block& blk, const Rows& r) {
     }
   }
 }
+
+// One row (the decode step's product, AVX2): both 8-lane halves in one pass, so each step's two 4-byte
+// activation broadcasts serve all 16 lanes and each 64-byte step is read once. The same integers (int16
+// pair sums over up to kChunk steps, widened by vpmaddwd) and the same fp32 operations per lane, in the
+// same order, as block_rows<R>: the same numbers bit for bit.
+template <>
+inline void block_rows<1>(const Block& blk, const Rows& r) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t steps = blk.G / 8, gb = group_bytes(blk.G);
+  __m256 acc0 = blk.bias ? _mm256_loadu_ps(blk.bias) : _mm256_setzero_ps();
+  __m256 acc1 = blk.bias ? _mm256_loadu_ps(blk.bias + 8) : _mm256_setzero_ps();
+  for (int64_t g = 0; g < blk.groups; ++g) {
+    const uint8_t* wg = blk.w + g * gb;
+    const int8_t* xg = r.qx + g * blk.G;
+    __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
+    for (int64_t s0 = 0; s0 < steps; s0 += kChunk) {
+      const int64_t s1 = std::min(steps, s0 + kChunk);
+      __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+      for (int64_t s = s0; s < s1; ++s) {
+        int32_t b0, b1;
+        std::memcpy(&b0, xg + s * 8, 4);
+        std::memcpy(&b1, xg + s * 8 + 4, 4);
+        const __m256i a0 = _mm256_set1_epi32(b0), a1 = _mm256_set1_epi32(b1);
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + s * 64));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + s * 64 + 32));
+        p0 = _mm256_add_epi16(p0, _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v0, mask), a0),
+                                                   _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), mask), a1)));
+        p1 = _mm256_add_epi16(p1, _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v1, mask), a0),
+                                                   _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), mask), a1)));
+      }
+      dot0 = _mm256_add_epi32(dot0, _mm256_madd_epi16(p0, ones));
+      dot1 = _mm256_add_epi32(dot1, _mm256_madd_epi16(p1, ones));
+    }
+    const uint8_t* meta = wg + steps * 64;
+    const __m256 xs = _mm256_set1_ps(r.xs[g]), xsum = _mm256_set1_ps(r.xsum[g]);
+    const __m256i q8 = _mm256_set1_epi32(8 * r.qsum[g]);
+    const __m256 scale0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)));
+    const __m256 scale1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16)));
+    const __m256 zero0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 32)));
+    const __m256 zero1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 48)));
+    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(scale0, xs), _mm256_cvtepi32_ps(_mm256_sub_epi32(dot0, q8)), acc0);
+    acc0 = _mm256_fmadd_ps(zero0, xsum, acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(scale1, xs), _mm256_cvtepi32_ps(_mm256_sub_epi32(dot1, q8)), acc1);
+    acc1 = _mm256_fmadd_ps(zero1, xsum, acc1);
+  }
+  float* y = r.y;
+  _mm256_storeu_ps(y, r.residual ? _mm256_add_ps(_mm256_loadu_ps(r.residual), acc0) : acc0);
+  _mm256_storeu_ps(y + 8, r.residual ? _mm256_add_ps(_mm256_loadu_ps(r.residual + 8), acc1) : acc1);
+}
 #endif
 
 // packed: uint8 [N / 16, K / G, G * 8 + 64] (river_int4_pack); bias float [N] or none.
