@@ -11,7 +11,7 @@ through its Python ``__torch_function__``. One process, one model load (the plai
 
 - ``F.linear``: no mode;
 - ``whole forward``: the mode entered around every pass;
-- ``per Linear``: the mode entered around each Linear (``river_hf.quant.dense.linear_mode_hooks``,
+- ``per Linear``: the mode entered around each Linear (``river_hf.bench_harness.linears_in_mode``,
   the scope River's backbone layers and lossless verifies use).
 
 The mode is river-fp32 where its kernel runs here, else prepacked oneDNN (one row included). JSON + PNG.
@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     from river_hf import RiverForCausalLM
     from river_hf.bench_harness.output import command_line
     from river_hf.quant.autotune import load_average
-    from river_hf.quant.dense import PrepackedLinear, linear_mode_hooks
+    from river_hf.bench_harness import linears_in_mode
+    from river_hf.quant.dense import PrepackedLinear
     from river_hf.quant.dense_river import RiverFp32Linear, river_fp32_works
     from river_hf.river.plain import plain_model
 
@@ -58,16 +59,8 @@ def main(argv=None) -> int:
     mode = RiverFp32Linear(linears) if kernel == "river-fp32" else PrepackedLinear(linears, min_rows=1, max_rows=8)
     ids = torch.randint(100, plain.config.vocab_size // 2, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
 
-    @contextlib.contextmanager
-    def per_linear():
-        handles = linear_mode_hooks(linears, lambda: mode)
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    scopes = {"F.linear": contextlib.nullcontext, "whole forward": lambda: mode, "per Linear": per_linear}
+    scopes = {"F.linear": contextlib.nullcontext, "whole forward": lambda: mode,
+              "per Linear": lambda: linears_in_mode(linears, mode)}
 
     def step_seconds(scope) -> float:
         times = []
