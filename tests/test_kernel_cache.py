@@ -212,6 +212,39 @@ def test_entry_of_another_version_is_measured_again(tmp_path, scripted_tuner):
     assert s.calls == ["128x64"] and "0.0.1" in tuner.remeasured[key]
 
 
+def test_timings_of_river_hfs_own_kernel_in_another_build_are_measured_again(tmp_path, monkeypatch, scripted_tuner):
+    """A changed ``csrc/river_int4.cpp`` (or flags, or torch) makes river-int4's cached timings stale: the
+    entry records the build it timed, and another build (or none recorded) measures the shape again."""
+    from river_hf.quant import kernel_cache
+
+    candidates = (KERNELS["torch-int4"], KERNELS["river-int4"])
+    linear = nn.Linear(128, 64)
+    path = tmp_path / "kernels.json"
+    key = key_of(linear, candidates)
+    build = {"id": "river_int4_aaaaaaaaaaaaaaaa"}
+    monkeypatch.setattr(kernel_cache.river_int4, "build_id", lambda: build["id"])
+    s = scripted_tuner(Script(torch_int4=30.0, river_int4=20.0))
+    KernelTuner(path).choose(candidates, linear)
+    assert read_cache(path)[0][key]["builds"] == {"river-int4": "river_int4_aaaaaaaaaaaaaaaa"}
+    KernelTuner(path).choose(candidates, linear)  # the same build: the entry is trusted
+    assert s.calls == ["128x64"]
+
+    build["id"] = "river_int4_bbbbbbbbbbbbbbbb"
+    tuner = KernelTuner(path)
+    tuner.choose(candidates, linear)
+    assert s.calls == ["128x64"] * 2 and "rebuilt" in tuner.remeasured[key]
+    assert read_cache(path)[0][key]["builds"] == {"river-int4": "river_int4_bbbbbbbbbbbbbbbb"}
+
+    old = {k: v for k, v in read_cache(path)[0][key].items() if k != "builds"}  # written before builds were recorded
+    update_cache(path, {key: old})
+    tuner = KernelTuner(path)
+    tuner.choose(candidates, linear)
+    assert len(s.calls) == 3 and "no build recorded" in tuner.remeasured[key]
+
+    KernelTuner(path).choose(INT4, linear)  # no river-hf kernel among the candidates: no build recorded
+    assert "builds" not in read_cache(path)[0][key_of(linear)]
+
+
 def test_entries_measured_under_load_are_measured_again_once_the_machine_is_quiet(tmp_path, monkeypatch,
                                                                                   scripted_tuner):
     linear = nn.Linear(128, 64)

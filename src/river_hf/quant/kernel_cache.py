@@ -7,18 +7,21 @@ candidate set, so a second build on the same machine measures nothing. The file:
     {"format": 2, "entries": {KEY: {"machine": ..., "shape": "896x4864", "dtype": "float32",
         "bias": false, "candidates": ["quanto-int4", "torch-int4"],
         "timings_us": {"torch-int4": 195.0, "quanto-int4": 216.0}, "kernel": "torch-int4",
-        "measured_at": 1764550000.0, "load_avg_1m": 0.4, "cpus": 2, "river_hf_version": "0.1.0"}}}
+        "measured_at": 1764550000.0, "load_avg_1m": 0.4, "cpus": 2, "river_hf_version": "0.1.0",
+        "builds": {"river-int4": "river_int4_0123456789abcdef"}}}}
 
 ``timings_us``: median µs per one-token call (per ``rows``-row call in an entry of a dense mode or of an
 exit Linear's prompt-kernel choice, which also has ``"rows": R`` and ``|rows=R`` at the end of its key); ``measured_at``: Unix time; ``load_avg_1m``: the
 1-minute load average when the measurement started (None where the OS has none); ``cpus``: the
-cores this process may run on. An entry whose one-row timings a busy machine made meaningless
+cores this process may run on; ``builds``: for the candidates compiled from river-hf's own C++ source
+(:data:`OWN_BUILDS`), which build was timed (:func:`~river_hf.quant.river_int4.build_id`). An entry whose one-row timings a busy machine made meaningless
 (:mod:`.prior`) also has ``"invalid": WHY`` and ``"prior": FEATURE SET``, its ``"kernel"`` being the
 prior ranking's: it is never reused as a measurement (the prior decides while the machine stays
 loaded; it is measured again once it is quiet). An entry is **not trusted** and is measured again at its next use when:
 it does not parse (wrong types, a timing that is not a finite positive number, a kernel this
 river-hf does not know, fields that disagree with its key); it was written by another river-hf
-version (the kernels may have changed); or it was measured *under load* and the machine is quiet
+version (the kernels may have changed); one of its candidates is river-hf's own kernel and was
+timed in another build of its source than the one this process uses (or in no recorded build); or it was measured *under load* and the machine is quiet
 now. Under load means ``load_avg_1m > LOADED_LOAD_FACTOR x cpus`` (1.25: more runnable threads than
 cores, so the candidates were timed while competing for the CPU); such an entry is used as is
 while the machine stays loaded (measuring again then would be just as noisy) and replaced at the
@@ -50,6 +53,7 @@ from pathlib import Path
 import torch
 
 from ..files import atomic_write
+from . import river_int4
 
 try:  # POSIX
     import fcntl
@@ -57,7 +61,7 @@ except ImportError:  # pragma: no cover - Windows: merges run unlocked
     fcntl = None
 
 __all__ = ["LinearSpec", "machine_id", "load_average", "usable_cpus", "FORMAT_VERSION", "LOADED_LOAD_FACTOR",
-           "is_loaded", "read_cache", "entry_status", "update_cache", "DENSE_MODES"]
+           "is_loaded", "read_cache", "entry_status", "update_cache", "DENSE_MODES", "OWN_BUILDS"]
 
 #: version of the kernels.json layout written here (the module docstring); files without one are format 1
 FORMAT_VERSION = 2
@@ -141,6 +145,18 @@ DENSE_MODES = {
 }
 
 
+#: the candidates compiled from river-hf's own C++ source (``csrc/river_int4.cpp``): an exit kernel and a
+#: dense mode; their timings hold only for the build they were taken in
+OWN_BUILDS = ("river-int4", "river-fp32")
+
+
+def _builds(names) -> dict[str, str]:
+    """``{name: build id}`` for those of ``names`` in :data:`OWN_BUILDS`, as this process builds them
+    (none where this CPU cannot build them)."""
+    build = river_int4.build_id()
+    return {n: build for n in sorted(names) if n in OWN_BUILDS and build is not None}
+
+
 def _key(machine: str, shape: str, dtype: str, bias: bool, candidates, rows: int = 1) -> str:
     parts = [machine, shape, dtype, f"bias={bias}", ",".join(sorted(candidates))]
     return "|".join(parts if rows == 1 else parts + [f"rows={rows}"])  # one-row keys as before (format 2)
@@ -182,7 +198,9 @@ def _entry_problem(key: str, entry) -> str | None:
                        and entry.get("cpus") >= 1),
                       ("river_hf_version", isinstance(entry.get("river_hf_version"), str)),
                       ("invalid", isinstance(entry.get("invalid", ""), str)),
-                      ("prior", isinstance(entry.get("prior", ""), str))):
+                      ("prior", isinstance(entry.get("prior", ""), str)),
+                      ("builds", isinstance(entry.get("builds", {}), dict)
+                       and all(isinstance(v, str) for v in entry.get("builds", {}).values()))):
         if not ok:
             return f"field {field!r} missing or of the wrong type"
     if set(entry["candidates"]) != set(timings):
@@ -228,7 +246,9 @@ def read_cache(path: str | Path) -> tuple[dict, dict, int | None]:
 def entry_status(entry: dict, now_load: float | None = None, cpus: int | None = None) -> str | None:
     """Why a valid entry should be measured again now (None: use it).
 
-    ``"river-hf X"`` when another version wrote it; ``"measured under load ..."`` when it was
+    ``"river-hf X"`` when another version wrote it; ``"... rebuilt ..."`` when a candidate of
+    :data:`OWN_BUILDS` was timed in another build than this process's (or in none recorded, as
+    before builds were recorded); ``"measured under load ..."`` when it was
     measured under load (:func:`is_loaded`), or ``"its timings were invalid ..."`` when it is
     flagged ``"invalid"`` (:mod:`.prior`), and ``now_load`` (default: the current load average)
     is not loaded. ``cpus``: default :func:`usable_cpus`.
@@ -237,6 +257,11 @@ def entry_status(entry: dict, now_load: float | None = None, cpus: int | None = 
 
     if entry["river_hf_version"] != __version__:
         return f"measured by river-hf {entry['river_hf_version']} (this is {__version__})"
+    then = entry.get("builds", {})
+    changed = [n for n, build in _builds(entry["candidates"]).items() if then.get(n) != build]
+    if changed:
+        return (f"{' and '.join(changed)} rebuilt from another source, flags or torch since it was measured "
+                f"({then.get(changed[0], 'no build recorded')} -> {river_int4.build_id()})")
     if is_loaded(entry["load_avg_1m"], entry["cpus"]) or "invalid" in entry:
         now_load = load_average() if now_load is None else now_load
         if not is_loaded(now_load, usable_cpus() if cpus is None else cpus):
@@ -297,4 +322,7 @@ def _entry(spec: LinearSpec, rows: int, names, timings: dict, load: float | None
              "measured_at": time.time(), "load_avg_1m": load, "cpus": cpus, "river_hf_version": __version__}
     if rows != 1:
         entry["rows"] = rows
+    builds = _builds(names)
+    if builds:
+        entry["builds"] = builds
     return entry

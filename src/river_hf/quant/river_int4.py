@@ -41,7 +41,7 @@ from .modules import CastMemo, int4_grid
 from .registry import KernelModule
 
 __all__ = ["RiverInt4Linear", "works", "unavailable_reason", "extension", "product_clock", "instruction_set",
-           "INSTRUCTION_SETS"]
+           "INSTRUCTION_SETS", "build_id"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "river_int4.cpp"
 #: the instruction sets the kernel is built for, best first: name -> (the ``/proc/cpuinfo`` flags it
@@ -82,6 +82,25 @@ def _build_root() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "torch_extensions") / "river_hf"
 
 
+def _build_name(isa: str) -> tuple[str, list[str]]:
+    """(the extension's name, gcc flags) for instruction set ``isa``: ``river_int4_`` and 16 hex
+    digits of the SHA-256 of the source, the flags and the torch version."""
+    cflags = [*_CFLAGS, *INSTRUCTION_SETS[isa][1]]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()
+    return f"river_int4_{digest[:16]}", cflags
+
+
+@functools.lru_cache(maxsize=1)
+def build_id() -> str | None:
+    """Which build of ``csrc/river_int4.cpp`` this process uses (river-int4, and river-fp32's
+    ``dense_mm``): the extension's name, which changes with the source, the instruction set, the
+    flags or torch; None where this CPU has no instruction set for it. Reads the source, compiles
+    nothing. The kernel cache records it with each timing of these kernels, so a changed kernel is
+    measured again (:func:`river_hf.quant.kernel_cache.entry_status`)."""
+    isa = instruction_set()
+    return None if isa is None else _build_name(isa)[0]
+
+
 @functools.lru_cache(maxsize=1)
 def _extension():
     """(the compiled module, None) or (None, why not). Built on first use, then loaded from the cache."""
@@ -90,9 +109,7 @@ def _extension():
     isa = instruction_set()
     if isa is None:
         return None, "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C"
-    cflags = [*_CFLAGS, *INSTRUCTION_SETS[isa][1]]
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()
-    name = f"river_int4_{digest[:16]}"
+    name, cflags = _build_name(isa)
     build = _build_root() / name
     try:
         from torch.utils import cpp_extension
