@@ -41,13 +41,15 @@ def test_generate_json_with_compare(smollm2_path):
 @pytest.mark.real_model
 def test_generate_lossless_compare_gives_the_unmodified_tokens(smollm2_path):
     res = run_cli("generate", "Name three colours.", "--model", "smollm2-135m", "--tau", "0.5",
-                  "--lossless", "--draft-tokens", "3", "--max-new-tokens", "16", "--compare", "--repeats", "1", "--json")
+                  "--lossless", "--draft-tokens", "3", "--draft-schedule", "heuristic", "--max-new-tokens", "16", "--compare",
+                  "--repeats", "1", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["token_match_rate"] == 1.0 and out["text"] == out["baseline"]["text"]
     ll = out["stats"]["lossless"]
     assert out["stats"]["mode"] == "lossless" and ll["drafted"] > 0 and 0 <= ll["acceptance_rate"] <= 1
-    assert out["river_config"]["draft_tokens"] == 3
+    assert out["river_config"]["draft_tokens"] == 3 and out["river_config"]["draft_schedule"] == "heuristic"
+    assert (ll["draft_tokens"], ll["draft_schedule"]) == (3, "heuristic")  # what the call ran with
     assert {r["label"] for r in out["comparison"]["rows"]} == {"River lossless", "unmodified"}
 
 
@@ -55,6 +57,8 @@ def test_generate_lossless_compare_gives_the_unmodified_tokens(smollm2_path):
     "args, message",
     [
         (["generate", "hi", "--draft-tokens", "3"], "add --lossless"),
+        (["generate", "hi", "--draft-schedule", "constant"], "add --lossless"),
+        (["generate", "hi", "--lossless", "--draft-schedule", "fastest"], "invalid choice"),
         (["generate", "hi", "--lossless", "--prefill", "route"], "lossless mode always reads it with the backbone"),
         (["generate", "   "], "prompt is empty"),
         (["generate", "hi", "--tau", "fast"], "--tau must be a number"),
@@ -74,6 +78,21 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert res.returncode == 2
     lines = [l for l in res.stderr.strip().splitlines() if l]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in res.stderr
+
+
+def test_draft_flags_are_checked_in_their_own_words():
+    """``--draft-tokens`` above ``max_draft_tokens`` names the flag and the cap (RiverConfig's own
+    error names a field the user never set); both flags land in the config."""
+    from river_hf import RiverConfig
+    from river_hf.cli_args import with_draft_flags
+    from river_hf.errors import RiverError
+
+    config = RiverConfig(max_draft_tokens=15)
+    with pytest.raises(RiverError, match=r"--draft-tokens 20 is more than this model's max_draft_tokens \(15\).*at most 15"):
+        with_draft_flags(config, 20)
+    got = with_draft_flags(config, 15, "constant")
+    assert (got.draft_tokens, got.draft_schedule, got.max_draft_tokens) == (15, "constant", 15)
+    assert with_draft_flags(config) is config
 
 
 def test_help_lists_generate():

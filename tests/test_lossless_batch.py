@@ -65,13 +65,15 @@ def test_exit_only_drafts_and_a_mask_inferred_from_the_pad_token():
     from river_hf import RiverConfig
 
     base = tiny_model("llama")
-    river = river_copy(base, config=RiverConfig(draft_path="exit"))
+    river = river_copy(base, config=RiverConfig(draft_path="exit", draft_schedule="heuristic", draft_tokens=3))
     ids, _ = left_padded((8, 5, 7))
     ref = base.generate(ids, max_new_tokens=16, pad_token_id=0, **GEN)
     with river.river_mode("lossless"):
         out = river.generate(ids, max_new_tokens=16, pad_token_id=0, **GEN)
     assert torch.equal(out, ref)
-    assert river.river_stats["lossless"]["draft_path"] == "exit" and river.river_stats["mean_exit_layer"] == 0
+    ll = river.river_stats["lossless"]
+    assert ll["draft_path"] == "exit" and river.river_stats["mean_exit_layer"] == 0
+    assert (ll["draft_schedule"], ll["draft_tokens"], ll["max_draft_tokens"]) == ("heuristic", 3, 15)
 
 
 def test_rows_finish_at_different_times():

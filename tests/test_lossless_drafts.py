@@ -93,6 +93,9 @@ def test_every_draft_setting_gives_the_unmodified_tokens(family, settings, freq_
         assert torch.equal(out, ref)
     ll = river.river_stats["lossless"]
     assert ll["draft_path"] == settings.get("draft_path", "route")
+    rc = river.river_config  # the draft settings the call ran with, as a user reads them back
+    assert (ll["draft_schedule"], ll["draft_tokens"], ll["max_draft_tokens"]) == (
+        rc.draft_schedule, rc.draft_tokens, rc.max_draft_tokens)
     if settings.get("draft_vocab"):
         assert ll["draft_vocab"] == 128
     if settings.get("draft_path") == "exit":

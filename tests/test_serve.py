@@ -467,6 +467,8 @@ def test_cli_refuses_a_port_in_use_and_bad_flags_in_one_line(capsys):
     assert code == 2 and "in use" in err and err.count("\n") == 1
     code, err = run("--draft-tokens", "3")
     assert code == 2 and "--lossless" in err
+    code, err = run("--draft-schedule", "constant")
+    assert code == 2 and "add --lossless" in err and err.count("\n") == 1
     code, err = run("--lossless", "--prefill", "backbone")
     assert code == 2 and err.count("\n") == 1 and "drop --prefill or --lossless" in err
     with pytest.raises(SystemExit):

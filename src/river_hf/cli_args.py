@@ -95,14 +95,38 @@ def check_lossless_flags(args) -> None:
     """The flags that only mean something with or without ``--lossless`` (``generate`` and ``serve``).
 
     Raises:
-        RiverError: ``--draft-tokens`` without ``--lossless``; ``--prefill`` with it (lossless mode
+        RiverError: ``--draft-tokens`` or ``--draft-schedule`` without ``--lossless``; ``--prefill`` with it (lossless mode
             always reads the prompt with the backbone).
     """
     if getattr(args, "draft_tokens", None) is not None and not args.lossless:
         raise RiverError("--draft-tokens sets the lossless mode's draft length; add --lossless")
+    if getattr(args, "draft_schedule", None) is not None and not args.lossless:
+        raise RiverError("--draft-schedule sets how the lossless mode's draft length adapts; add --lossless")
     if args.lossless and getattr(args, "prefill", None) is not None:
         raise RiverError("--prefill chooses where River's lossy mode reads the prompt; lossless mode always reads it "
                          "with the backbone (its tokens are the unmodified model's): drop --prefill or --lossless")
+
+
+def with_draft_flags(river_config, draft_tokens: int | None = None, draft_schedule: str | None = None):
+    """``river_config`` (a :class:`~river_hf.RiverConfig`) with ``--draft-tokens`` and
+    ``--draft-schedule`` put in (None: the model's own setting), checked in the flags' words.
+
+    Raises:
+        RiverError: ``--draft-tokens`` above the config's ``max_draft_tokens`` (the most drafts one
+            round may propose; the verify kernel is chosen for up to that many rows plus one).
+    """
+    import dataclasses
+
+    changes = {}
+    if draft_tokens is not None:
+        cap = river_config.max_draft_tokens
+        if draft_tokens > cap:
+            raise RiverError(f"--draft-tokens {draft_tokens} is more than this model's max_draft_tokens ({cap}), the most "
+                             f"drafts one round may propose: use at most {cap}")
+        changes["draft_tokens"] = draft_tokens
+    if draft_schedule is not None:
+        changes["draft_schedule"] = draft_schedule
+    return dataclasses.replace(river_config, **changes) if changes else river_config
 
 
 def parse_taus(values) -> list[float]:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
 from ..errors import RiverError
-from ..cli_args import add_river_arguments, check_lossless_flags, negative_tau_noted, positive_int, river_overrides
+from ..cli_args import (add_river_arguments, check_lossless_flags, negative_tau_noted, positive_int, river_overrides,
+                        with_draft_flags)
 from ..models import encode_prompt
+from .draft_schedule import SCHEDULES
 from .cli_common import BACKBONE_REFERENCE, TOKENIZER_FILES, check_model, unmodified  # noqa: F401  (old home)
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -40,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "faster); τ then shapes the drafts only")
     p.add_argument("--draft-tokens", type=positive_int, default=None,
                    help="lossless mode: drafts of the first round, adapted after each round (default: per-model config)")
+    p.add_argument("--draft-schedule", choices=tuple(SCHEDULES), default=None,
+                   help="lossless mode: how the draft length adapts from round to round (default: per-model config)")
     p.add_argument("--compare", action="store_true",
                    help="also time the unmodified model: after the answer, both are timed side by side on the same "
                         "number of new tokens (warm-up, --repeats alternating rounds); prints decode tokens/s, the "
@@ -111,8 +114,7 @@ def _generate(args, tau, *, progress: bool) -> int:
     with negative_tau_noted(tau, lossless=args.lossless):  # one line of its own instead of the library's warning
         model = RiverForCausalLM.from_pretrained(args.model, tau=tau, dtype=dtype, device_map=device, config=config,
                                                  progress=progress, **overrides)
-    if args.draft_tokens is not None:
-        model.river_config = dataclasses.replace(model.river_config, draft_tokens=args.draft_tokens)
+    model.river_config = with_draft_flags(model.river_config, args.draft_tokens, args.draft_schedule)
     river_mode = "lossless" if args.lossless else "route"
     label = "River lossless" if args.lossless else "River"
     inputs = inputs.to(device)

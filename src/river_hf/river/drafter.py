@@ -162,6 +162,7 @@ class ExitPathDrafter(CandidateGenerator):
             self.record.setdefault(key, 0.0)
         self.record["prompt_lookup_rule"] = prompt_lookup_rule if self.lookup is not None else None
         self.record["draft_path"] = draft_path
+        self.record.update(draft_schedule=schedule, draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens)
         self.record["draft_vocab"] = None if draft_head is None else int(draft_head.ids.numel())
         self.record["draft_vocab_call_ids"] = 0
         self._round_start = None
@@ -333,7 +334,8 @@ class ExitPathDrafter(CandidateGenerator):
         see :func:`~river_hf.river.verify_kernel.verify_mode`), ``verify_row_costs`` (``[[rows,
         cost], ...]``: a verify pass of that many rows over a one-row backbone pass, as the ``cost``
         schedule took it, :func:`~river_hf.river.verify_kernel.verify_row_costs`; None: not
-        measured), the draft settings (``draft_path``, ``draft_vocab``: ids of the
+        measured), the draft settings (``draft_schedule``, ``draft_tokens``: k of the first round,
+        ``max_draft_tokens``: the cap on k, None for none, ``draft_path``, ``draft_vocab``: ids of the
         frequent set, ``draft_vocab_call_ids``: ids of the call's own tokens scored beside it,
         ``prompt_lookup_rule``), and the costs in backbone decode steps: ``backbone_step_seconds``
         (one one-token backbone pass of this model,
@@ -373,6 +375,9 @@ class ExitPathDrafter(CandidateGenerator):
             "mean_draft_exit_layer": sum(exits) / len(exits) if exits else None,
             "verify_kernel": record.get("verify_kernel"),
             "verify_row_costs": record.get("verify_row_costs"),
+            "draft_schedule": record.get("draft_schedule"),
+            "draft_tokens": record.get("draft_tokens"),
+            "max_draft_tokens": record.get("max_draft_tokens"),
             "draft_path": record.get("draft_path"),
             "draft_vocab": record.get("draft_vocab"),
             "draft_vocab_call_ids": record.get("draft_vocab_call_ids"),

@@ -290,7 +290,8 @@ def generate_batch(model, plan: BatchPlan, call) -> torch.Tensor:
     for key in ("draft_seconds", "verify_seconds", "exit_verify_seconds"):
         record.setdefault(key, 0.0)
     record.setdefault("draft_exit_layers", [])
-    record.update(batch_size=plan.input_ids.shape[0], draft_path=call.draft_path)
+    record.update(batch_size=plan.input_ids.shape[0], draft_path=call.draft_path, draft_schedule=config.draft_schedule,
+                  draft_tokens=config.draft_tokens, max_draft_tokens=config.max_draft_tokens)
     schedule = make_schedule(config.draft_schedule, config.draft_tokens, config.max_draft_tokens,
                              call.draft_settings.get("verify_cost"))
     k = schedule.k

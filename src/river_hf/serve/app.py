@@ -25,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..cli_args import with_draft_flags
 from ..river.cli_common import check_model
 from ..river.layer import LOSSLESS
 from ..river.modeling import RiverForCausalLM
@@ -37,8 +38,8 @@ __all__ = ["load_model", "build_app", "check_request", "response_stats", "ReadyS
 DEFAULT_MAX_BATCH_SIZE = 8
 
 
-def load_model(name: str, *, river_kwargs: dict, draft_tokens: int | None = None, device: str = "cpu",
-               dtype: str = "float32", progress: bool = True):
+def load_model(name: str, *, river_kwargs: dict, draft_tokens: int | None = None, draft_schedule: str | None = None,
+               device: str = "cpu", dtype: str = "float32", progress: bool = True):
     """The served model and its tokenizer: :func:`~river_hf.river.cli_common.check_model`, then
     ``RiverForCausalLM.from_pretrained`` with the River settings.
 
@@ -46,6 +47,7 @@ def load_model(name: str, *, river_kwargs: dict, draft_tokens: int | None = None
         name: model key, saved River folder or Hub id.
         river_kwargs: ``from_pretrained`` settings (``tau``, ``lossless``, ...).
         draft_tokens: lossless mode's first-round draft length (None: the model's setting).
+        draft_schedule: lossless mode's draft schedule name (None: the model's setting).
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``). dtype: a torch dtype name (``"float32"``).
         progress: progress bars while the exit layers are built.
 
@@ -53,13 +55,13 @@ def load_model(name: str, *, river_kwargs: dict, draft_tokens: int | None = None
         ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
-        RiverError: the model cannot be loaded (see ``check_model`` and ``from_pretrained``).
+        RiverError: the model cannot be loaded (see ``check_model`` and ``from_pretrained``), or
+            ``draft_tokens`` is above its ``max_draft_tokens``.
     """
     path, config, tokenizer = check_model(name, progress=progress)
     model = RiverForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype), device_map=device,
                                              progress=progress, **river_kwargs)
-    if draft_tokens is not None:
-        model.river_config = dataclasses.replace(model.river_config, draft_tokens=draft_tokens)
+    model.river_config = with_draft_flags(model.river_config, draft_tokens, draft_schedule)
     return model.eval(), tokenizer
 
 

@@ -18,6 +18,7 @@ import sys
 from ..cli_args import (add_river_arguments, check_lossless_flags, negative_tau_noted, parse_taus, positive_int,
                         river_overrides)
 from ..errors import RiverError
+from ..river.draft_schedule import SCHEDULES
 
 #: The packages the server needs (the ``serve`` extra).
 SERVING_MODULES = ("fastapi", "uvicorn")
@@ -44,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="lossless mode: the exit path drafts, the backbone verifies (the unmodified model's tokens)")
     p.add_argument("--draft-tokens", type=positive_int, default=None,
                    help="lossless mode: drafts of the first round (default: per-model config)")
+    p.add_argument("--draft-schedule", choices=tuple(SCHEDULES), default=None,
+                   help="lossless mode: how the draft length adapts from round to round (default: per-model config)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -125,7 +128,8 @@ def run_serve(args) -> int:
     if args.no_progress:
         hf_logging.disable_progress_bar()
     with negative_tau_noted(settings.get("tau"), lossless=args.lossless):
-        model, tokenizer = load_model(args.model, river_kwargs=settings, draft_tokens=args.draft_tokens, device=device,
+        model, tokenizer = load_model(args.model, river_kwargs=settings, draft_tokens=args.draft_tokens,
+                                      draft_schedule=args.draft_schedule, device=device,
                                       dtype="float32" if device == "cpu" else "bfloat16", progress=not args.no_progress)
     mode = "lossless" if args.lossless else "route"
     app = build_app(model, tokenizer, args.model, max_tokens_limit=args.max_tokens_limit, batching=not args.fifo,
