@@ -56,8 +56,10 @@ def headline(report: dict, label: str, link: str) -> str:
     comp = report["comparison"]
     ref = next(r for r in comp["rows"] if r["label"] == comp["reference"])
     n = len(report["prompts"])
+    sets = " and ".join(name for name, prefix in (("HumanEval", "HumanEval/"), ("GSM8K", "gsm8k/"))
+                        if any(p.startswith(prefix) for p in report["prompts"]))
     lines = [f"Measured on **{label}** ({report['cpus']} cores, torch {report['torch']}, {report['threads']} threads), "
-             f"{report['model']}, {n} held-out HumanEval prompts × exactly {report['new_tokens']} new tokens, greedy, "
+             f"{report['model']}, {n} held-out {sets} prompts × exactly {report['new_tokens']} new tokens, greedy, "
              f"batch 1, median (min-max) of {comp['repeats']} alternating rounds ([table and command]({link})):", "",
              "| method | end to end tok/s (× plain) | decode tok/s (× plain, min-max) | same tokens as plain fp32 |",
              "|---|---|---|---|"]
