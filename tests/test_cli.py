@@ -58,6 +58,7 @@ def test_generate_lossless_compare_gives_the_unmodified_tokens(smollm2_path):
     [
         (["generate", "hi", "--draft-tokens", "3"], "add --lossless"),
         (["generate", "hi", "--draft-schedule", "constant"], "add --lossless"),
+        (["generate", "hi", "--lossless", "--draft-tokens", "20"], "max_draft_tokens (15)"),  # before any load
         (["generate", "hi", "--lossless", "--draft-schedule", "fastest"], "invalid choice"),
         (["generate", "hi", "--lossless", "--prefill", "route"], "lossless mode always reads it with the backbone"),
         (["generate", "   "], "prompt is empty"),

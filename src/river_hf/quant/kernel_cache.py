@@ -260,8 +260,11 @@ def entry_status(entry: dict, now_load: float | None = None, cpus: int | None = 
     then = entry.get("builds", {})
     changed = [n for n, build in _builds(entry["candidates"]).items() if then.get(n) != build]
     if changed:
-        return (f"{' and '.join(changed)} rebuilt from another source, flags or torch since it was measured "
-                f"({then.get(changed[0], 'no build recorded')} -> {river_int4.build_id()})")
+        names = " and ".join(changed)
+        if changed[0] not in then:
+            return f"{names} timed before river-hf recorded which build of its kernel was timed"
+        return (f"{names} timed in another build of river-hf's kernel (its source, compiler flags or torch changed: "
+                f"{then[changed[0]]} -> {river_int4.build_id()})")
     if is_loaded(entry["load_avg_1m"], entry["cpus"]) or "invalid" in entry:
         now_load = load_average() if now_load is None else now_load
         if not is_loaded(now_load, usable_cpus() if cpus is None else cpus):

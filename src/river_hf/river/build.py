@@ -211,7 +211,8 @@ def _announce_prior():
         if (shape, kernel) not in seen:
             seen.add((shape, kernel))
             tqdm.write(f"[river-hf] kernel timings for {shape} look invalid ({why}): using the prior ranking for "
-                       f"{features} ({kernel})", file=sys.stderr)
+                       f"{features} ({kernel}); measured again at the first load on a quiet machine "
+                       f"(or now: `river-hf kernels --remeasure` when nothing else runs)", file=sys.stderr)
 
     return say
 

@@ -74,6 +74,11 @@ def _check_args(args) -> float | None:
             raise RiverError("--device cuda was asked for, but this torch build sees no CUDA GPU; use --device cpu")
     river_overrides(args)  # unknown kernel names are refused before the model loads
     check_lossless_flags(args)
+    if args.draft_tokens is not None and not os.path.isdir(args.model):
+        # a model key or Hub id: its configs/ defaults hold the cap (a saved folder may carry its own: checked after loading)
+        from .config import default_config
+
+        with_draft_flags(default_config(args.model), args.draft_tokens)
     if args.tau is None:
         return None
     try:
