@@ -121,6 +121,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gsm8k-data", default=None)
     ap.add_argument("--set-name", default="held-out", choices=("tuning", "held-out"))
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--no-interleave", action="store_true",
+                    help="one reference run per round, every method once in an order reversed each round, instead "
+                         "of the reference next to each method (R A R B ...): the slow plain model runs once a round, "
+                         "not once per method (for long runs on a quiet machine)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1,
                     help="sequences per generate call, left-padded (default: 1; llama.cpp runs batch 1 only)")
@@ -272,7 +276,8 @@ def main(argv=None) -> int:
         return measurements
 
     comparison = compare({m: (lambda m=m: run(m)) for m in methods}, reference="unmodified", repeats=args.repeats,
-                         progress=True, reference_kind="plain transformers model in fp32 (river_hf.plain_model)")
+                         progress=True, reference_kind="plain transformers model in fp32 (river_hf.plain_model)",
+                         interleave=not args.no_interleave)
     ref = tokens["unmodified"]
     report = {
         "command": command_line(argv),
