@@ -293,7 +293,7 @@ def main(argv=None) -> int:
         "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "gguf": llm.weight_bytes if llm else None},
         "onednn_packed_bytes": packed.packed_bytes if packed is not None else None, "onednn_copy": packed_note,
         "llama_cpp_version": llm.version if llm is not None else None,
-        "protocol": compare_protocol(args.repeats, args.new_tokens),
+        "protocol": compare_protocol(args.repeats, args.new_tokens, interleaved=not args.no_interleave),
         "load_avg_1m_before": load_before, "load_avg_1m_after": load_average(),
         "comparison": comparison.to_dict(),
         "identical_to_fp32_reference": {m: sum(a == b for a, b in zip(tokens[m], ref)) for m in methods},

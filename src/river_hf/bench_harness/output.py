@@ -17,13 +17,16 @@ def command_line(argv: list[str] | None) -> str:
     return "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))
 
 
-def compare_protocol(repeats: int, new_tokens: int) -> str:
+def compare_protocol(repeats: int, new_tokens: int, interleaved: bool = True) -> str:
     """The sentence a report gives for ``river_hf.timing.compare``'s protocol at ``repeats`` rounds,
-    every prompt exactly ``new_tokens`` new tokens."""
-    return ("river_hf.timing.compare: one untimed warm-up of every method, then "
-            f"{repeats} round(s) with the reference next to each method (R A R B ..., reversed every "
-            "other round); speedups per neighbouring pair, median (min-max); every prompt exactly "
-            f"{new_tokens} new tokens")
+    every prompt exactly ``new_tokens`` new tokens; ``interleaved``: the reference ran next to each
+    method (``compare(interleave=True)``), else once a round."""
+    order = ("with the reference next to each method (R A R B ..., reversed every other round); speedups per "
+             "neighbouring pair" if interleaved else
+             "each running every method once, the reference included, in an order reversed every other round; "
+             "speedups against the round's reference run")
+    return (f"river_hf.timing.compare: one untimed warm-up of every method, then {repeats} round(s) {order}, "
+            f"median (min-max); every prompt exactly {new_tokens} new tokens")
 
 
 def write_report(out: str, report: dict, markdown: str, figure) -> None:
