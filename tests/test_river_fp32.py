@@ -25,7 +25,7 @@ def test_dense_mm_is_f_linear_up_to_summation_order_and_each_row_is_its_own(k, n
     ext = river_int4.extension()
     gen = torch.Generator().manual_seed(k * n)
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    for rows in (1, 2, 3, 5, 6, 7, 8, 13):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16):
         x = torch.randn(2, rows, k, generator=gen)[0]
         for b in (None, bias):
             got = ext.dense_mm(x, weight, b)
@@ -86,7 +86,7 @@ def test_the_mode_reroutes_only_its_linears_in_its_rows_and_passes_the_rest_on()
 @pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch")
 def test_auto_takes_river_fp32_where_it_measured_fastest(monkeypatch, tmp_path):
     """One run times F.linear, oneDNN and river-fp32 together; river-fp32 takes the rows it won
-    (verify rows up to 8, one row), the packed oneDNN copy (where oneDNN beat F.linear) the rest;
+    (verify rows up to 16, one row), the packed oneDNN copy (where oneDNN beat F.linear) the rest;
     lossless stays the plain model's tokens, route mode's backbone uses the same mode."""
     winners = {}
 
@@ -103,14 +103,14 @@ def test_auto_takes_river_fp32_where_it_measured_fastest(monkeypatch, tmp_path):
     assert torch.equal(model.generate(ids, max_new_tokens=10, **GEN), base.generate(ids, max_new_tokens=10, **GEN))
     info = model.river_stats["lossless"]["verify_kernel"]
     assert info["kernel"] == "river-fp32" and info["one_row"] == "river-fp32" and info["prompt"] == "onednn-prepacked"
-    assert info["packed_bytes"] > 0 and "river-fp32 measured fastest at 8 rows and one row" in info["why"]
+    assert info["packed_bytes"] > 0 and "river-fp32 measured fastest at 16 rows and one row" in info["why"]
     mode = model._river_verify_linear[0]
-    assert isinstance(mode, RiverFp32Linear) and (mode.min_rows, mode.max_rows) == (1, 8)
+    assert isinstance(mode, RiverFp32Linear) and (mode.min_rows, mode.max_rows) == (1, 16)
     assert isinstance(mode.fallback, PrepackedLinear) and mode.calls_rerouted > 0
-    assert [verify_kernel.kernel_at(mode, r) for r in (1, 8, 9, 128)] == ["river-fp32"] * 2 + ["onednn"] * 2
+    assert [verify_kernel.kernel_at(mode, r) for r in (1, 16, 17, 128)] == ["river-fp32"] * 2 + ["onednn"] * 2
 
     # F.linear fastest at the verify rows, river-fp32 at one row: nothing packed, river-fp32 for one row only
-    winners = {8: {"torch": 1.0, "onednn": 2.0, "river-fp32": 1.5}}
+    winners = {16: {"torch": 1.0, "onednn": 2.0, "river-fp32": 1.5}}
     monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "other"))
     model = river_copy(base, config=RiverConfig(lossless=True))
     assert torch.equal(model.generate(ids, max_new_tokens=10, **GEN), base.generate(ids, max_new_tokens=10, **GEN))
@@ -133,7 +133,7 @@ def test_auto_takes_river_fp32_where_it_measured_fastest(monkeypatch, tmp_path):
     assert mode is None and "τ > 1" in info["why"]
 
 
-def test_river_fp32_by_name_is_unmeasured_and_takes_up_to_eight_rows():
+def test_river_fp32_by_name_is_unmeasured_and_takes_up_to_sixteen_rows():
     base = tiny_model("qwen2")
     model = river_copy(base, config=RiverConfig(lossless=True, verify_kernel="river-fp32"))
     ids = prompt(10)
@@ -141,7 +141,7 @@ def test_river_fp32_by_name_is_unmeasured_and_takes_up_to_eight_rows():
     info = model.river_stats["lossless"]["verify_kernel"]
     assert info["kernel"] == "river-fp32" and info["why"] == "verify_kernel='river-fp32'" and info["timing_us"] is None
     mode = model._river_verify_linear[0]
-    assert (mode.min_rows, mode.max_rows) == (1, 8) and mode.calls_rerouted > 0
+    assert (mode.min_rows, mode.max_rows) == (1, 16) and mode.calls_rerouted > 0
     routed = river("llama", tau=MIXED_TAU["llama"], backbone_kernel="river-fp32")
     _generate(routed)
     assert routed.river_stats["backbone_kernel"]["kernel"] == "river-fp32"

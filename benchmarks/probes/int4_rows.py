@@ -1,17 +1,21 @@
-"""river-int4's product against an earlier revision of its own source: the same packed weights, the
-same inputs, both builds in one process, timed alternating.
+"""river-hf's own products (river-int4's ``mm``, or river-fp32's ``dense_mm`` with ``--product
+dense``) against an earlier revision of their source: the same weights, the same inputs, both builds
+in one process, timed alternating.
 
 Builds ``src/river_hf/quant/csrc/river_int4.cpp`` as it is in the work tree and as it was at
 ``--baseline`` (a git revision, read with ``git show``), each with the flags river-hf uses for this CPU
-(``river_int4.INSTRUCTION_SETS``), into a temporary directory. For each weight shape (``in x out``,
-the Qwen2.5-Coder-0.5B exit shapes by default) it packs random 4-bit weights (copies totalling
-``--stream-mb`` MB, so they stream from memory as in a decode step), checks that both builds give the
-same floats bit for bit on ``--rows`` rows, then times one call per copy, ``--rounds`` rounds in
-alternating order after one untimed round: median and min-max µs per call and GB/s of packed bytes.
+(``river_int4.INSTRUCTION_SETS``), into a temporary directory. For each weight shape (``in x out``;
+Qwen2.5-Coder-0.5B's exit shapes for int4, its backbone shapes for dense) it makes random weights
+(packed 4-bit, or fp32 as ``nn.Linear`` stores them; copies totalling ``--stream-mb`` MB, so they
+stream from memory as in a decode step), and for each row count in ``--rows`` checks that both builds
+give the same floats bit for bit, then times one call per copy, ``--rounds`` rounds in alternating
+order after one untimed round: median and min-max µs per call, GB/s of weight bytes and GFLOP/s.
 JSON + PNG.
 
     python benchmarks/probes/int4_rows.py --baseline 4bf3929 \\
         --out docs/results/epyc-zen1-2core/int4_rows_4bf3929.json
+    python benchmarks/probes/int4_rows.py --product dense --rows 1,2,4,8,16 --baseline eff03e5 \\
+        --out docs/results/epyc-zen1-2core/dense_rows_eff03e5.json
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-SHAPES = ((896, 1152), (896, 896), (896, 9728), (4864, 896), (896, 151936))
+SHAPES = {"int4": ((896, 1152), (896, 896), (896, 9728), (4864, 896), (896, 151936)),
+          "dense": ((896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936))}
 SOURCE = Path("src/river_hf/quant/csrc/river_int4.cpp")
 
 
@@ -44,11 +49,19 @@ def build(name: str, source: Path, flags: list[str]):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", required=True, help="git revision of the source to compare with")
-    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--product", choices=("int4", "dense"), default="int4",
+                    help="river-int4's packed 4-bit product (default) or river-fp32's dense_mm")
+    ap.add_argument("--rows", default="1", help="row counts per call, a comma list (default: 1)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--stream-mb", type=float, default=64.0)
     ap.add_argument("--out", required=True, help="JSON path (a PNG beside it)")
     args = ap.parse_args(argv)
+    try:
+        row_counts = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows: a comma list of positive integers, got {args.rows!r}")
+    if not row_counts or min(row_counts) < 1:
+        ap.error(f"--rows: a comma list of positive integers, got {args.rows!r}")
 
     from river_hf.bench_harness.output import command_line
     from river_hf.quant import river_int4
@@ -72,37 +85,32 @@ def main(argv=None) -> int:
         builds = {"baseline": build(f"ri4_baseline_{tag}", Path(tmp) / "baseline.cpp", flags),
                   "current": build(f"ri4_current_{tag}", Path(tmp) / "current.cpp", flags)}
         rows = []
-        for k, n in SHAPES:
-            g = 128
-            copies = max(2, int(args.stream_mb * 1e6 // (k * n // 2)))
+        for k, n in SHAPES[args.product]:
             gen = torch.Generator().manual_seed(k * n)
-            packs = [builds["current"].pack(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen),
-                                            (torch.rand(n, k // g, generator=gen) * 0.01).half(),
-                                            (torch.randn(n, k // g, generator=gen) * 0.01).half(), g)
-                     for _ in range(copies)]
-            x = torch.randn(args.rows, k, generator=gen)
-            outs = {name: m.mm(x, packs[0], None, g, None, 0.0, False, None) for name, m in builds.items()}
-            same = torch.equal(outs["baseline"], outs["current"])
-            calls = {name: (lambda m=m: [m.mm(x, p, None, g, None, 0.0, False, None) for p in packs])
-                     for name, m in builds.items()}
-            for call in calls.values():
-                call()
-            times = {name: [] for name in calls}
-            for r in range(args.rounds):
-                for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
-                    start = time.perf_counter()
-                    calls[name]()
-                    times[name].append((time.perf_counter() - start) / copies * 1e6)
-            nbytes = packs[0].numel()
-            row = {"shape": f"{k}x{n}", "packed_bytes": nbytes, "bit_identical": same}
-            for name, v in times.items():
-                med = statistics.median(v)
-                row[name] = {"median_us": med, "min_us": min(v), "max_us": max(v), "gb_per_s": nbytes / med / 1e3}
-            row["speedup"] = row["baseline"]["median_us"] / row["current"]["median_us"]
-            rows.append(row)
-            print(f"{row['shape']:>11}: baseline {row['baseline']['median_us']:.0f} us, current "
-                  f"{row['current']['median_us']:.0f} us ({row['speedup']:.2f}x), bit-identical {same}", flush=True)
-    report = {"command": command_line(argv), "baseline": args.baseline, "isa": isa, "rows": args.rows,
+            calls_for, nbytes = _product(args.product, builds, k, n, args.stream_mb, gen)
+            for count in row_counts:
+                x = torch.randn(count, k, generator=gen)
+                calls = calls_for(x)
+                outs = {name: call(first=True) for name, call in calls.items()}
+                same = torch.equal(outs["baseline"], outs["current"])
+                for call in calls.values():
+                    call()
+                times = {name: [] for name in calls}
+                for r in range(args.rounds):
+                    for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+                        start = time.perf_counter()
+                        copies = calls[name]()
+                        times[name].append((time.perf_counter() - start) / copies * 1e6)
+                row = {"shape": f"{k}x{n}", "rows": count, "weight_bytes": nbytes, "bit_identical": same}
+                for name, v in times.items():
+                    med = statistics.median(v)
+                    row[name] = {"median_us": med, "min_us": min(v), "max_us": max(v), "gb_per_s": nbytes / med / 1e3,
+                                 "gflop_per_s": 2 * count * k * n / med / 1e3}
+                row["speedup"] = row["baseline"]["median_us"] / row["current"]["median_us"]
+                rows.append(row)
+                print(f"{row['shape']:>11} x {count:>2} rows: baseline {row['baseline']['median_us']:.0f} us, current "
+                      f"{row['current']['median_us']:.0f} us ({row['speedup']:.2f}x), bit-identical {same}", flush=True)
+    report = {"command": command_line(argv), "baseline": args.baseline, "isa": isa, "product": args.product, "rows": row_counts,
               "rounds": args.rounds, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
               "torch": torch.__version__, "load_avg_1m_before": load_before, "load_avg_1m_after": load_average(),
               "shapes": rows}
@@ -115,18 +123,55 @@ def main(argv=None) -> int:
         import matplotlib.pyplot as plt
     except ImportError:
         return 0
-    fig, ax = plt.subplots(figsize=(6, 3))
-    labels = [r["shape"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 3))
+    labels = [r["shape"] if len(row_counts) == 1 else f"{r['shape']}\n{r['rows']} rows" for r in rows]
     for i, name in enumerate(("baseline", "current")):
         ax.bar([j + 0.4 * i for j in range(len(rows))], [r[name]["gb_per_s"] for r in rows], width=0.4,
                label=f"{name} ({args.baseline})" if name == "baseline" else name)
-    ax.set_xticks([j + 0.2 for j in range(len(rows))], labels)
-    ax.set_ylabel("GB/s of packed weights")
-    ax.set_title(f"river-int4 ({isa}), {args.rows} row(s)")
+    ax.set_xticks([j + 0.2 for j in range(len(rows))], labels, fontsize=6)
+    ax.set_ylabel("GB/s of packed weights" if args.product == "int4" else "GB/s of fp32 weights")
+    ax.set_title(f"{'river-int4' if args.product == 'int4' else 'river-fp32 dense_mm'} ({isa}), rows {args.rows}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=100)
     return 0
+
+
+def _product(product: str, builds: dict, k: int, n: int, stream_mb: float, gen):
+    """(x -> {build: call}, weight bytes of one copy) for ``product`` on an ``in k x out n`` weight; a
+    call runs every copy (``first=True``: the first only, returning its output) and returns the count."""
+    if product == "int4":
+        g = 128
+        nbytes = k * n // 2
+        copies = max(2, int(stream_mb * 1e6 // nbytes))
+        weights = [builds["current"].pack(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen),
+                                          (torch.rand(n, k // g, generator=gen) * 0.01).half(),
+                                          (torch.randn(n, k // g, generator=gen) * 0.01).half(), g)
+                   for _ in range(copies)]
+        nbytes = weights[0].numel()
+
+        def run(m, x, w):
+            return m.mm(x, w, None, g, None, 0.0, False, None)
+    else:
+        nbytes = k * n * 4
+        copies = max(2, int(stream_mb * 1e6 // nbytes))
+        weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
+
+        def run(m, x, w):
+            return m.dense_mm(x, w, None)
+
+    def calls_for(x):
+        def call(m):
+            def go(first=False):
+                if first:
+                    return run(m, x, weights[0])
+                for w in weights:
+                    run(m, x, w)
+                return len(weights)
+            return go
+        return {name: call(m) for name, m in builds.items()}
+
+    return calls_for, nbytes
 
 
 if __name__ == "__main__":

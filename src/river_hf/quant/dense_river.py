@@ -4,12 +4,13 @@
 Why: a decode step multiplies one row (a verify pass a few) by every weight of the model, so it
 should read the weights at the memory's rate. torch's ``F.linear`` (MKL) does not always: on a
 2-core AVX2 AMD EPYC (torch 2.13) the tuner's own timing of an 896x4864 product with streamed
-weights (``river-hf kernels --list``) gave 2012 µs at one row and 7607 µs at 8 rows for ``F.linear``,
-1361 and 2184 for prepacked oneDNN, 1139 and 2096 for this kernel; the tuner measures the machine
-at hand. The
+weights (``RiverFp32Linear.measure``) gave 6482 µs at 16 rows for ``F.linear``, 2993 for prepacked
+oneDNN and 2245 for this kernel (at 32 rows 9081, 4741 and 4222); the tuner measures the machine at
+hand. The
 kernel (``dense_mm`` in ``csrc/river_int4.cpp``, built with river-int4, so AVX2 + FMA) keeps one
 8-lane fp32 accumulator per row and output over the input channels, sums its lanes in a fixed
-order and reads each block of weight rows once for all the call's rows: a row's result does not
+order and reads each block of weight rows once for all the call's rows (blocks of 3 weight rows
+times 4 rows in registers, the next block fetched while one computes): a row's result does not
 depend on the other rows of the call or on the thread count. Against ``F.linear`` it differs only
 by fp32 summation order (relative error ~1e-6).
 
@@ -31,8 +32,10 @@ from .dense import _PLAIN, PrepackedLinear, SmallBatchLinear, _check_rows, _line
 
 __all__ = ["RiverFp32Linear", "river_fp32_works", "measure_modes", "MAX_ROWS"]
 
-#: most rows the kernel is offered: past ~8 rows it turns compute-bound and MKL / oneDNN catch up
-MAX_ROWS = 8
+#: most rows the kernel is offered: a default lossless verify (``max_draft_tokens`` 15 + 1). It turns
+#: compute-bound long before (at 16 rows an 896x4864 product runs at ~60 % of the FMA peak of the 2-core
+#: AVX2 CPU above), and wide calls (prompts, batched verifies) go to a kernel measured at their rows
+MAX_ROWS = 16
 
 
 def river_fp32_works() -> bool:

@@ -172,7 +172,7 @@ class RiverConfig:
             oneDNN on prepacked weights and river-fp32 for the multi-token verify passes and for
             one-row calls; oneDNN also for the prompt pass where it measured faster at a prompt's
             row count; oneDNN costs a packed copy of the backbone's Linear weights, river-fp32
-            nothing), ``onednn`` (unmeasured), ``river-fp32`` (unmeasured, up to 8 rows) or ``torch``.
+            nothing), ``onednn`` (unmeasured), ``river-fp32`` (unmeasured, up to 16 rows) or ``torch``.
         backbone_kernel: route mode, fp32 CPU: the kernel of the backbone layers River runs (and
             of the original LM head): ``auto`` (the kernel ``verify_kernel`` chose for one-row
             calls, where it measured faster than ``F.linear``), ``onednn`` or ``river-fp32``

@@ -529,9 +529,9 @@ torch::Tensor attention_out(torch::Tensor query, torch::Tensor keys, torch::Tens
 // y[r, n] = sum_k x[r, k] W[n, k] (+ b[n]), reading W ([N, K] row-major, the nn.Linear layout, no copy)
 // from memory once per call. Each (row, output) keeps one 8-lane fp32 accumulator over k
 // in steps of 8 (FMA; the last partial step masked), summed across lanes at the end in a fixed order, so a
-// row's numbers do not depend on the other rows of the call or on the thread count. A block of NW weight
-// rows shares each x load (NW x R accumulators fit the 16 AVX registers). AVX2 + FMA, also in the AVX-512
-// build (a memory-bound product gains nothing from wider vectors).
+// row's numbers do not depend on the other rows of the call, on how the rows are blocked or on the thread
+// count. A block of NW weight rows shares each x load and each x row its weight loads (R x NW accumulators,
+// NW weight vectors and one x vector fit the 16 AVX registers). AVX2 + FMA, also in the AVX-512 build.
 inline float hsum8(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -539,9 +539,12 @@ inline float hsum8(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
+// R rows times weight rows n..n+NW-1. pf (or null): the next block's first weight row, fetched into the
+// cache one line per weight row every 16 floats while this block computes, so a multi-row call does not
+// wait on memory between blocks (a one-row call streams and needs no help).
 template <int R, int NW>
 void dense_block(const float* x, int64_t K, const float* W, int64_t n, int64_t N, const float* bias, float* y,
-                 __m256i tail) {
+                 __m256i tail, const float* pf) {
   __m256 acc[R][NW];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NW; ++j) acc[r][j] = _mm256_setzero_ps();
@@ -550,6 +553,8 @@ void dense_block(const float* x, int64_t K, const float* W, int64_t n, int64_t N
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NW];
     for (int j = 0; j < NW; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    if (pf != nullptr && (k & 15) == 0)
+      for (int j = 0; j < NW; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * K + k);
       for (int j = 0; j < NW; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
@@ -567,22 +572,22 @@ void dense_block(const float* x, int64_t K, const float* W, int64_t n, int64_t N
     for (int j = 0; j < NW; ++j) y[r * N + n + j] = hsum8(acc[r][j]) + (bias ? bias[n + j] : 0.0f);
 }
 
-// A call with R rows: the outputs in blocks of NW weight rows, split between threads; each block is read
-// from memory once and used for every chunk of up to 6 rows while it sits in L1.
-template <int NW>
-void dense_chunk(const float* x, int64_t rows, int64_t K, const float* W, int64_t n, int64_t N, const float* bias,
-                 float* y, __m256i tail) {
-  switch (rows) {
-    case 1: dense_block<1, NW>(x, K, W, n, N, bias, y, tail); break;
-    case 2: dense_block<2, NW>(x, K, W, n, N, bias, y, tail); break;
-    case 3: dense_block<3, NW>(x, K, W, n, N, bias, y, tail); break;
-    case 4: dense_block<4, NW>(x, K, W, n, N, bias, y, tail); break;
-    case 5: dense_block<5, NW>(x, K, W, n, N, bias, y, tail); break;
-    default: dense_block<6, NW>(x, K, W, n, N, bias, y, tail); break;
+// rows (1..RM) rows times one block of NW weight rows
+template <int NW, int RM>
+void dense_chunk(int64_t rows, const float* x, int64_t K, const float* W, int64_t n, int64_t N, const float* bias,
+                 float* y, __m256i tail, const float* pf) {
+  if constexpr (RM >= 1) {
+    if (rows == RM) return dense_block<RM, NW>(x, K, W, n, N, bias, y, tail, pf);
+    dense_chunk<NW, RM - 1>(rows, x, K, W, n, N, bias, y, tail, pf);
   }
 }
 
-template <int NW>
+// A call with M rows: the outputs in blocks of NW weight rows, split between threads; each block is read
+// from memory once (fetched ahead while the block before it computes, when PF) and used for every chunk of up
+// to RM rows while it sits in L1. One row: NW = 4 (RM = 1, no fetching ahead); more rows: NW = 3, RM = 4
+// with fetching ahead, 1.2-1.6x the NW = 2 x 6-row blocks at 2-16 rows on Qwen2.5-Coder-0.5B's shapes
+// (benchmarks/probes/int4_rows.py --product dense).
+template <int NW, int RM, bool PF>
 void dense_rows(const float* x, int64_t M, int64_t K, const float* W, int64_t N, const float* bias, float* y) {
   alignas(32) int32_t m[8];
   for (int i = 0; i < 8; ++i) m[i] = (K % 8 != 0 && i < K % 8) ? -1 : 0;
@@ -591,12 +596,14 @@ void dense_rows(const float* x, int64_t M, int64_t K, const float* W, int64_t N,
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b * NW;
-      for (int64_t r0 = 0; r0 < M; r0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, M - r0);
+      for (int64_t r0 = 0; r0 < M; r0 += RM) {
+        const int64_t rows = std::min<int64_t>(RM, M - r0);
         if (n + NW <= N) {
-          dense_chunk<NW>(x + r0 * K, rows, K, W, n, N, bias, y + r0 * N, tail);
+          const float* pf = (PF && r0 == 0 && b + 1 < b1 && n + 2 * NW <= N) ? W + (n + NW) * K : nullptr;
+          dense_chunk<NW, RM>(rows, x + r0 * K, K, W, n, N, bias, y + r0 * N, tail, pf);
         } else {
-          for (int64_t j = n; j < N; ++j) dense_chunk<1>(x + r0 * K, rows, K, W, j, N, bias, y + r0 * N, tail);
+          for (int64_t j = n; j < N; ++j)
+            dense_chunk<1, RM>(rows, x + r0 * K, K, W, j, N, bias, y + r0 * N, tail, nullptr);
         }
       }
     }
@@ -624,8 +631,8 @@ torch::Tensor dense_mm(torch::Tensor x, torch::Tensor weight, c10::optional<torc
   const float* xp = x2.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (M == 1) dense_rows<4>(xp, M, K, wp, N, b, yp);
-  else dense_rows<2>(xp, M, K, wp, N, b, yp);
+  if (M == 1) dense_rows<4, 1, false>(xp, M, K, wp, N, b, yp);
+  else dense_rows<3, 4, true>(xp, M, K, wp, N, b, yp);
   return y.view(sizes);
 }
 
@@ -637,6 +644,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_in", &attention_in, "Llama-family exit layer: input norm, q/k/v product, rotary");
   m.def("set_product_clock", &set_product_clock, "start (true) or stop adding up the products' wall time");
   m.def("product_ns", &product_ns, "nanoseconds of products added up while the product clock was on");
-  m.def("dense_mm", &dense_mm, "river-fp32: fp32 rows times an nn.Linear weight [N, K], up to 8 rows per read of it");
+  m.def("dense_mm", &dense_mm, "river-fp32: fp32 rows times an nn.Linear weight [N, K], read once for all rows");
   m.def("attention_out", &attention_out, "Llama-family exit layer: SDPA, o product, norm, gate/up, silu*up, down");
 }
