@@ -87,20 +87,21 @@ def main(argv=None) -> int:
         rows = []
         for k, n in SHAPES[args.product]:
             gen = torch.Generator().manual_seed(k * n)
-            calls_for, nbytes = _product(args.product, builds, k, n, args.stream_mb, gen)
+            run, weights, nbytes = _product(args.product, builds["current"], k, n, args.stream_mb, gen)
             for count in row_counts:
                 x = torch.randn(count, k, generator=gen)
-                calls = calls_for(x)
-                outs = {name: call(first=True) for name, call in calls.items()}
+                outs = {name: run(m, x, weights[0]) for name, m in builds.items()}
                 same = torch.equal(outs["baseline"], outs["current"])
-                for call in calls.values():
-                    call()
-                times = {name: [] for name in calls}
+                for m in builds.values():
+                    for w in weights:
+                        run(m, x, w)
+                times = {name: [] for name in builds}
                 for r in range(args.rounds):
-                    for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+                    for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
                         start = time.perf_counter()
-                        copies = calls[name]()
-                        times[name].append((time.perf_counter() - start) / copies * 1e6)
+                        for w in weights:
+                            run(builds[name], x, w)
+                        times[name].append((time.perf_counter() - start) / len(weights) * 1e6)
                 row = {"shape": f"{k}x{n}", "rows": count, "weight_bytes": nbytes, "bit_identical": same}
                 for name, v in times.items():
                     med = statistics.median(v)
@@ -137,41 +138,20 @@ def main(argv=None) -> int:
     return 0
 
 
-def _product(product: str, builds: dict, k: int, n: int, stream_mb: float, gen):
-    """(x -> {build: call}, weight bytes of one copy) for ``product`` on an ``in k x out n`` weight; a
-    call runs every copy (``first=True``: the first only, returning its output) and returns the count."""
+def _product(product: str, current, k: int, n: int, stream_mb: float, gen):
+    """``(run, weights, weight bytes of one copy)`` for ``product`` on an ``in k x out n`` weight:
+    ``run(build, x, weight)`` is one call, ``weights`` the copies (packed by ``current`` for int4)."""
     if product == "int4":
         g = 128
-        nbytes = k * n // 2
-        copies = max(2, int(stream_mb * 1e6 // nbytes))
-        weights = [builds["current"].pack(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen),
-                                          (torch.rand(n, k // g, generator=gen) * 0.01).half(),
-                                          (torch.randn(n, k // g, generator=gen) * 0.01).half(), g)
+        copies = max(2, int(stream_mb * 1e6 // (k * n // 2)))
+        weights = [current.pack(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen),
+                                (torch.rand(n, k // g, generator=gen) * 0.01).half(),
+                                (torch.randn(n, k // g, generator=gen) * 0.01).half(), g)
                    for _ in range(copies)]
-        nbytes = weights[0].numel()
-
-        def run(m, x, w):
-            return m.mm(x, w, None, g, None, 0.0, False, None)
-    else:
-        nbytes = k * n * 4
-        copies = max(2, int(stream_mb * 1e6 // nbytes))
-        weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
-
-        def run(m, x, w):
-            return m.dense_mm(x, w, None)
-
-    def calls_for(x):
-        def call(m):
-            def go(first=False):
-                if first:
-                    return run(m, x, weights[0])
-                for w in weights:
-                    run(m, x, w)
-                return len(weights)
-            return go
-        return {name: call(m) for name, m in builds.items()}
-
-    return calls_for, nbytes
+        return (lambda m, x, w: m.mm(x, w, None, g, None, 0.0, False, None)), weights, weights[0].numel()
+    copies = max(2, int(stream_mb * 1e6 // (k * n * 4)))
+    weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
+    return (lambda m, x, w: m.dense_mm(x, w, None)), weights, k * n * 4
 
 
 if __name__ == "__main__":
