@@ -132,6 +132,9 @@ def test_the_switch_takes_it_out_of_the_measured_choice(kernel, monkeypatch):
 
 
 def test_its_norm_silu_and_residual_arguments_are_the_separate_ops(kernel):
+    """The norm and silu are River's own loops (the same functions, another float rounding order; an
+    activation one rounding apart can land one int8 step apart, so up to ~1e-3 of the output); the
+    residual add is torch's add, bit for bit."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
@@ -142,16 +145,53 @@ def test_its_norm_silu_and_residual_arguments_are_the_separate_ops(kernel):
     def mm(x, norm=None, eps=0.0, silu_mul=False, residual=None):
         return ext.mm(x, q.packed, q.bias, q.group_size, norm, eps, silu_mul, residual)
 
+    def close(a, b):
+        return float((a - b).norm() / b.norm()) <= 1e-3
+
     x, w, residual = torch.randn(3, 256), torch.rand(256) + 0.5, torch.randn(3, 64)
     with torch.no_grad():
-        # torch's own ops, called from C++: bit for bit what the separate calls give (the int8 rounding
-        # of the activations would turn any other rounding of the input into whole int8 steps)
-        assert torch.equal(mm(x, w, 1e-6), q(F.rms_norm(x, (256,), w, 1e-6)))
-        gu = torch.randn(3, 512)
-        assert torch.equal(mm(gu, silu_mul=True), q(F.silu(gu[:, :256]) * gu[:, 256:]))
+        assert close(mm(x, w, 1e-6), q(F.rms_norm(x, (256,), w, 1e-6)))
+        gu = torch.randn(3, 512) * 4  # silu's tails too
+        assert close(mm(gu, silu_mul=True), q(F.silu(gu[:, :256]) * gu[:, 256:]))
         assert torch.equal(mm(x, residual=residual), residual + q(x))
         both = residual + q(F.rms_norm(F.silu(gu[:, :256]) * gu[:, 256:], (256,), w, 1e-5))
-        assert torch.equal(mm(gu, w, 1e-5, True, residual), both)
+        assert close(mm(gu, w, 1e-5, True, residual) - residual, both - residual)
+
+
+@pytest.mark.parametrize("heads,kv,d,length,batch,mask", [
+    (14, 2, 64, 200, 1, None), (12, 2, 128, 37, 1, None), (4, 2, 32, 9, 2, "bool"), (4, 4, 16, 13, 3, "float"),
+    (14, 2, 64, 5, 2, "bool"), (8, 1, 64, 300, 2, "float"), (2, 2, 8, 1, 1, None), (4, 2, 32, 9, 3, "bool1")])
+def test_its_one_token_attention_is_sdpas_function(kernel, heads, kv, d, length, batch, mask):
+    """One query token's grouped-query attention over a cache slot (the query a view of attention_in's
+    q/k rows): float64 SDPA's result within fp32 rounding (no worse than fp32 SDPA), float masks added,
+    bool masks kept where true, one mask row for the whole batch ("bool1")."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(heads * length + batch)
+    query = torch.randn(batch, heads + kv, 1, d, generator=gen)[:, :heads]
+    keys, values = torch.randn(batch, kv, length, d, generator=gen) * 3, torch.randn(batch, kv, length, d, generator=gen)
+    m = None
+    if mask is not None:
+        keep = torch.rand(1 if mask == "bool1" else batch, 1, 1, length, generator=gen) > 0.3
+        keep[..., -1] = True
+        m = keep if mask.startswith("bool") else torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+    ref = F.scaled_dot_product_attention(query.double(), keys.double(), values.double(),
+                                         attn_mask=m if m is None or m.dtype == torch.bool else m.double(),
+                                         scale=0.125, enable_gqa=True)
+    fp32 = F.scaled_dot_product_attention(query, keys, values, attn_mask=m, scale=0.125, enable_gqa=True)
+    got = river_int4.extension().attend_one_token(query, keys, values, m, 0.125)
+    assert got.shape == (batch, heads * d) and got.dtype == torch.float32
+    error = float((got.view(batch, heads, 1, d).double() - ref).norm() / ref.norm())
+    assert error <= max(2 * float((fp32.double() - ref).norm() / ref.norm()), 1e-7)
+
+
+def test_its_one_token_attention_gives_a_row_that_attends_to_nothing_zeros(kernel):
+    keep = torch.zeros(2, 1, 1, 5, dtype=torch.bool)
+    keep[1, ..., 2] = True
+    values = torch.randn(2, 1, 5, 8)
+    out = river_int4.extension().attend_one_token(torch.randn(2, 2, 1, 8), torch.randn(2, 1, 5, 8), values, keep, 0.3)
+    assert torch.equal(out[0], torch.zeros(16))
+    assert torch.allclose(out[1], values[1, 0, 2].repeat(2))
 
 
 @pytest.mark.parametrize("fuse_projections", [False, True])
@@ -183,7 +223,8 @@ def test_fused_exit_layers_over_it_pass_their_build_check_and_tau_above_one_is_e
 
 def test_the_layer_with_int4_calls_computes_what_it_computes_without(kernel, tiny_llama):
     """The same fused layer in two C++ calls around the cache update, and as separate torch ops
-    from Python: the same logits bit for bit, exit mode, prompt and steps."""
+    from Python: the same tokens, and logits within the build check's bound (the C++ calls' own norm,
+    silu and one-token attention round in another order than torch's ops), exit mode, prompt and steps."""
     from river_hf import enable_river
     from river_hf.river.layer import RiverLayer
 
@@ -201,7 +242,7 @@ def test_the_layer_with_int4_calls_computes_what_it_computes_without(kernel, tin
         return out.sequences, torch.stack(out.scores)
 
     (seq_a, a), (seq_b, b) = logits(True), logits(False)
-    assert torch.equal(seq_a, seq_b) and torch.equal(a, b)
+    assert torch.equal(seq_a, seq_b) and float((a - b).norm() / b.norm()) <= 1e-3
 
 
 def test_the_step_profile_splits_the_fused_layers_products_out_by_the_product_clock(kernel, tiny_llama):
@@ -234,9 +275,10 @@ def test_the_step_profile_splits_the_fused_layers_products_out_by_the_product_cl
 
 def test_on_a_padded_batch_the_fused_layer_gives_the_architectures_numbers(kernel, tiny_llama):
     """A left-padded batch brings a mask: transformers' sdpa attention then packs the query heads of
-    each K/V head for one token and repeats K/V for more; the fused layer hands SDPA the same inputs,
-    so exit mode gives the architecture copy's logits bit for bit, on the two-call path and the
-    Python path (GQA: 4 query heads, 2 K/V heads)."""
+    each K/V head for one token and repeats K/V for more. The Python path hands SDPA the same inputs,
+    so exit mode gives the architecture copy's logits bit for bit; the two-call path (its own one-token
+    attention over the cache slot and the 4-D bool mask as they are, its own norm and silu) the same
+    tokens and logits within the build check's bound (GQA: 4 query heads, 2 K/V heads)."""
     from river_hf import enable_river
     from river_hf.river.fused_layer import FusedExitLayer
     from river_hf.river.layer import RiverLayer
@@ -263,6 +305,9 @@ def test_on_a_padded_batch_the_fused_layer_gives_the_architectures_numbers(kerne
         return out.sequences, torch.stack(out.scores)
 
     seq, ref = logits(False)
-    for int4_calls in (True, False):
-        seq_f, got = logits(True, int4_calls)
-        assert torch.equal(seq_f, seq) and torch.equal(got, ref)
+    seq_f, got = logits(True, int4_calls=False)
+    assert torch.equal(seq_f, seq) and torch.equal(got, ref)
+    seq_f, got = logits(True, int4_calls=True)
+    # one activation that the other rounding order lands one int8 step apart moves this 128-wide model's
+    # logits by ~2e-3 (a real model's 896-4864-wide layers by ~3e-4); the steps after carry it on
+    assert torch.equal(seq_f, seq) and float((got - ref).norm() / ref.norm()) <= 1e-2

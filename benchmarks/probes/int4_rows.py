@@ -37,6 +37,19 @@ SHAPES = {"int4": ((896, 1152), (896, 896), (896, 9728), (4864, 896), (896, 1519
 SOURCE = Path("src/river_hf/quant/csrc/river_int4.cpp")
 
 
+def _sources(root: Path, revision: str | None) -> dict[str, str]:
+    """The kernel's C++ files (the source and the headers beside it) by name: as they are in the work
+    tree (``revision`` None) or at git ``revision``."""
+    folder = SOURCE.parent
+    if revision is None:
+        return {p.name: p.read_text() for p in sorted((root / folder).iterdir()) if p.suffix in (".cpp", ".h")}
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{folder}"], cwd=root, check=True,
+                           capture_output=True, text=True).stdout.split()
+    return {n: subprocess.run(["git", "show", f"{revision}:{folder / n}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+            for n in names if n.endswith((".cpp", ".h"))}
+
+
 def build(name: str, source: Path, flags: list[str]):
     from torch.utils.cpp_extension import load
 
@@ -73,17 +86,19 @@ def main(argv=None) -> int:
     flags = [*river_int4._CFLAGS, *river_int4.INSTRUCTION_SETS[isa][1]]
     root = Path(__file__).resolve().parents[2]
     try:
-        old = subprocess.run(["git", "show", f"{args.baseline}:{SOURCE}"], cwd=root, check=True,
-                             capture_output=True, text=True).stdout
+        old = _sources(root, args.baseline)
     except subprocess.CalledProcessError as e:
         ap.error(f"--baseline {args.baseline}: {e.stderr.strip()}")
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "baseline.cpp").write_text(old)
-        (Path(tmp) / "current.cpp").write_text((root / SOURCE).read_text())
         tag = f"{os.getpid()}"
-        builds = {"baseline": build(f"ri4_baseline_{tag}", Path(tmp) / "baseline.cpp", flags),
-                  "current": build(f"ri4_current_{tag}", Path(tmp) / "current.cpp", flags)}
+        builds = {}
+        for name, files in (("baseline", old), ("current", _sources(root, None))):
+            folder = Path(tmp) / name
+            folder.mkdir()
+            for file, text in files.items():
+                (folder / file).write_text(text)
+            builds[name] = build(f"ri4_{name}_{tag}", folder / SOURCE.name, flags)
         rows = []
         for k, n in SHAPES[args.product]:
             gen = torch.Generator().manual_seed(k * n)

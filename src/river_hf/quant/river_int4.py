@@ -44,6 +44,8 @@ __all__ = ["RiverInt4Linear", "works", "unavailable_reason", "extension", "produ
            "INSTRUCTION_SETS", "build_id"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "river_int4.cpp"
+#: the headers it includes (part of the build's identity)
+_HEADERS = (Path(__file__).parent / "csrc" / "layer_ops.h",)
 #: the instruction sets the kernel is built for, best first: name -> (the ``/proc/cpuinfo`` flags it
 #: needs, gcc's flags for them)
 INSTRUCTION_SETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -84,9 +86,10 @@ def _build_root() -> Path:
 
 def _build_name(isa: str) -> tuple[str, list[str]]:
     """(the extension's name, gcc flags) for instruction set ``isa``: ``river_int4_`` and 16 hex
-    digits of the SHA-256 of the source, the flags and the torch version."""
+    digits of the SHA-256 of the source and its headers, the flags and the torch version."""
     cflags = [*_CFLAGS, *INSTRUCTION_SETS[isa][1]]
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()
+    source = _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in _HEADERS)
+    digest = hashlib.sha256(source + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()
     return f"river_int4_{digest[:16]}", cflags
 
 

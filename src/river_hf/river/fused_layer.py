@@ -19,15 +19,18 @@ layer (None: it can; :meth:`ExitLayerFamily.supports`), ``build(exit_copy, confi
 fused layer. :mod:`.fused_llama` registers the Llama / Qwen2 / Mistral family.
 
 Every fused layer is checked once at build (:func:`check_against_architecture`): both run a short
-prefill and one decode step on random hidden states (fixed seed) into caches of their own; the
-largest relative error of the layer's update (output minus input) and of the K/V written must be
-at most :func:`check_tolerance` of the layer's dtype (:data:`CHECK_TOLERANCE`, 1e-3, in an fp32
-model, whose kernels compute in bf16), else that layer keeps the architecture's exit copy (a
-warning names it). The update, not the output, is compared: the residual would hide an error in
-the attention or the MLP. A wrong function (another norm, a missing bias, another rotary layout)
-is off by 10 % or more; the two implementations of one function run the same ops in the same
-order where it matters and differ by float rounding at most (0 on the supported families in the
-tests: bit for bit the architecture copy's numbers).
+prefill and one decode step on random hidden states into caches of their own; the largest relative
+error of the layer's update (output minus input) and of the K/V written, median over the inputs of
+:data:`CHECK_SEEDS`, must be at most :func:`check_tolerance` of the layer's dtype
+(:data:`CHECK_TOLERANCE`, 1e-3, in an fp32 model), else that layer keeps the architecture's exit
+copy (a warning names it). The update, not the output, is compared: the residual would hide an
+error in the attention or the MLP. A wrong function (another norm, a missing bias, another rotary
+layout) is off by 10 % or more on every input; the two implementations of one function differ by
+float rounding order. Why the median: a kernel that rounds each call's activations to int8
+(river-int4) turns a one-rounding difference before a product into whole int8 steps, which the
+next products' roundings carry on, so an occasional input shows 1e-3 to 1e-2 where most show 1e-7
+(river-int4 with River's own norm, silu and one-token attention: 3 of the 84 layer-inputs of
+Qwen2.5-Coder-1.5B above 1e-3, at most 9e-3, 1 of the 72 of 0.5B; never two of one layer's three).
 
 At run time a fused layer hands a call to its architecture copy when it cannot serve it as
 checked (its :meth:`FusedExitLayer.serves` says so): training mode, a forward hook on the
@@ -43,11 +46,13 @@ import torch
 from torch import nn
 
 __all__ = ["ExitLayerFamily", "FusedExitLayer", "FAMILIES", "register_family", "family_for", "fused_exit_layer",
-           "check_against_architecture", "CHECK_TOLERANCE", "check_tolerance"]
+           "check_against_architecture", "CHECK_TOLERANCE", "CHECK_SEEDS", "check_tolerance"]
 
 #: the largest relative error of a fused layer's update and K/V against its architecture copy
 #: accepted at build in an fp32 model (both run the same kernels; what differs is float rounding order)
 CHECK_TOLERANCE = 1e-3
+#: the random inputs (seeds) the build check runs; the median of their errors is compared
+CHECK_SEEDS = (0, 1, 2)
 
 
 def check_tolerance(dtype: torch.dtype) -> float:
@@ -129,7 +134,7 @@ class FusedExitLayer(nn.Module):
     ``layer_idx`` ...), and ``named_modules`` gives the architecture copy's modules under the
     names they have there, so :func:`river_hf.river.exit_modules`, the kernel report and the weight
     bytes see the same modules with either implementation. ``check_error`` is the build check's
-    relative error (None: not checked).
+    relative error, the median over :data:`CHECK_SEEDS` (None: not checked).
     """
 
     family = ""
@@ -194,7 +199,8 @@ def fused_exit_layer(exit_copy: nn.Module, impl: str, name: str = "") -> nn.Modu
         return exit_copy
     try:
         fused = family.build(exit_copy, config)
-        error = check_against_architecture(family, fused, exit_copy, config)
+        errors = sorted(check_against_architecture(family, fused, exit_copy, config, seed=seed) for seed in CHECK_SEEDS)
+        error = errors[len(errors) // 2]
     except Exception as e:  # noqa: BLE001 - any failure of the fused path means: keep the architecture copy
         warnings.warn(f"exit_layer_impl={impl!r}: the fused exit layer of {name or 'a layer'} failed to build or its check "
                       f"({type(e).__name__}: {e}); it runs the architecture's code", UserWarning, stacklevel=2)

@@ -34,10 +34,14 @@ computes that on the exit copy's own kernel modules with few, big calls:
 
 When every product is one :class:`~river_hf.quant.river_int4.RiverInt4Linear` (river-int4, q/k/v and
 gate/up stacked) in an fp32 model, the layer is two calls into river-int4's C++ extension around the
-cache's own ``update`` (``attention_in``: input norm, q/k/v product, rotary; ``attention_out``: SDPA,
-o product and residual, second norm, gate/up product, ``silu(gate) * up``, down product and residual),
-each step the ATen op the Python path calls, in its order, so the same numbers bit for bit; what is
-left in Python per layer is the cache update and SDPA's input forms.
+cache's own ``update`` (``attention_in``: input norm, q/k/v product, rotary; ``attention_out``:
+attention, o product and residual, second norm, gate/up product, ``silu(gate) * up``, down product
+and residual). The norms, silu and, for one query token (a decode step), the attention over the
+cache slot and the mask as they are, are River's own loops (``csrc/layer_ops.h``): ATen's ops cost
+10-50 µs a call there in dispatch and set-up for microseconds of arithmetic. They compute the same
+functions in another float rounding order, so this path is not bit for bit the architecture copy's
+numbers (the build check bounds it; :mod:`.fused_layer`); more query tokens go to SDPA on the inputs
+transformers gives it, as in the Python path.
 
 The attention implementations served are ``sdpa`` and ``eager`` (their masks are tensors SDPA
 takes as they are; eager with no mask attends to every key, as eager does); another one
@@ -111,6 +115,14 @@ def _pass_attn_implementation(config) -> str:
     if impl is None or impl[0] is not config:
         impl = impls[id(config)] = (config, attn_implementation(config))
     return impl[1]
+
+
+def _one_token_mask(mask, batch: int, length: int) -> bool:
+    """Whether river-int4's one-token attention takes ``mask`` as it is: none, or float (added) or bool
+    (true: attended) ``[batch or 1, 1, 1, length]``; any other form goes to SDPA."""
+    return mask is None or (mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[1] == 1
+                            and mask.shape[2] == 1 and mask.shape[3] == length
+                            and mask.dtype in (torch.float32, torch.bool))
 
 
 def _feed_dtype(kernel: nn.Module) -> torch.dtype | None:
@@ -246,10 +258,11 @@ class FusedLlamaLayer(FusedExitLayer):
     def _int4_forward(self, hidden_states, cache, attention_mask, position_ids, use_cache, cos4, sin4, impl, kwargs):
         """The layer in two C++ calls of river-int4's extension around the cache's own ``update``
         (every product one :class:`~river_hf.quant.river_int4.RiverInt4Linear`, fp32): the input
-        norm, the q/k/v product and rotary; then SDPA, ``h = x + o(attn)``, the gate/up product of
-        ``norm(h)`` and ``h + down(silu(gate) * up)``. The same fp32 operations in the same order as
-        the Python path (norms, silu and SDPA are ATen's ops; rotary, ``silu * up`` and the residual
-        adds loops doing the same multiplies and adds), so the same numbers bit for bit."""
+        norm, the q/k/v product and rotary; then attention, ``h = x + o(attn)``, the gate/up product
+        of ``norm(h)`` and ``h + down(silu(gate) * up)``. Rotary and the residual adds do the Python
+        path's multiplies and adds in its order; the norms, silu and one-token attention (a mask
+        none or ``[batch or 1, 1, 1, keys]``, :func:`_one_token_mask`) are River's own loops, the same
+        functions up to float rounding order; attention over more tokens is SDPA."""
         batch, tokens, hidden = hidden_states.shape
         ext = river_int4.extension()
         rows = hidden_states.reshape(batch * tokens, hidden)
@@ -261,8 +274,12 @@ class FusedLlamaLayer(FusedExitLayer):
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_index,
                                         kwargs={"position_ids": position_ids, "use_cache": use_cache, **kwargs})
-        query, keys, values, mask, causal, gqa = self._sdpa_inputs(attention_mask, impl, query, keys, values)
-        out = ext.attention_out(query, keys, values, mask, causal, self.scaling, gqa, rows, o.packed, o.bias,
+        one = tokens == 1 and self.head_dim % 8 == 0 and _one_token_mask(attention_mask, batch, keys.shape[2])
+        if one:  # River's own attention reads the cache slot and the mask as they are
+            mask, causal, gqa = attention_mask, False, False
+        else:
+            query, keys, values, mask, causal, gqa = self._sdpa_inputs(attention_mask, impl, query, keys, values)
+        out = ext.attention_out(query, keys, values, mask, causal, self.scaling, gqa, one, rows, o.packed, o.bias,
                                 o.group_size, gu.packed, gu.bias, gu.group_size, norm2.weight, norm2.variance_epsilon,
                                 down.packed, down.bias, down.group_size)
         return out.view(batch, tokens, hidden)

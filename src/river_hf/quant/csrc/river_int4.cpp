@@ -29,6 +29,8 @@
 #include <cstring>
 #include <vector>
 
+#include "layer_ops.h"
+
 namespace {
 
 // The product clock (read by river_hf.bench_harness.step_profile): when on, the wall time of every weight
@@ -182,28 +184,16 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* qx, 
 }
 #endif
 
-// torch.nn.functional.rms_norm of each row of x [M, K] (float, contiguous) with weight [K], bit for bit:
-// (x * rsqrt(mean(x * x) + eps)) * weight, the sum of the mean by ATen's own reduction (its summation order
-// is what decides the last bit), the rest one fp32 operation at a time in the same order.
+// torch.nn.functional.rms_norm of each row of x [M, K] (float, contiguous) with weight [K]:
+// x * (1 / sqrt(mean(x * x) + eps)) * weight (river_ops::rms_norm_rows: the sum of squares in 8 lanes, not
+// ATen's order, so the last bit may differ from torch's)
 torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(weight.numel() == K && weight.scalar_type() == torch::kFloat, "river_int4: the norm weight must be float [K]");
   auto wc = weight.contiguous();
-  const float* xp = x.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  auto sq = torch::empty({M, K}, torch::kFloat);
-  float* sp = sq.data_ptr<float>();
-  for (int64_t i = 0; i < M * K; ++i) sp[i] = xp[i] * xp[i];
-  // at::mean on CPU is at::sum, then div_ by the count as a float: the sum here, the same division below
-  auto ms = at::sum(sq, {-1}, true).contiguous();
-  const float* mp = ms.data_ptr<float>();
   auto out = torch::empty({M, K}, torch::kFloat);
-  float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps), count = static_cast<float>(K);
-  for (int64_t m = 0; m < M; ++m) {
-    const float r = 1.0f / std::sqrt(mp[m] / count + e);
-    for (int64_t k = 0; k < K; ++k) op[m * K + k] = (xp[m * K + k] * r) * wp[k];
-  }
+  river_ops::rms_norm_rows(x.data_ptr<float>(), M, K, wc.data_ptr<float>(), static_cast<float>(eps),
+                           out.data_ptr<float>());
   return out;
 }
 
@@ -400,10 +390,8 @@ inline void block_rows<1>(const Block& blk, const Rows& r) {
 // packed: uint8 [N / 16, K / G, G * 8 + 64] (river_int4_pack); bias float [N] or none.
 // With ``silu_mul``: x is [M, 2K] = [gate | up] and the product's input is silu(gate) * up; with ``norm``
 // (float [K]): the input is RMS-normalized first (eps ``eps``, rms_norm_rows); with ``residual`` (float
-// [M, N]): it is added to the output as it is stored. Each computes what torch's op computes (at::silu,
-// at::mul, at::rms_norm, at::add), bit for bit: the same numbers as the architecture's code. That matters: the
-// activations are then rounded to int8, where an input one float rounding away can land one int8 step
-// off, which moves a layer's update by about 1e-3 relative.
+// [M, N]): it is added to the output as it is stored. silu and the norm are River's own loops
+// (layer_ops.h): the functions torch computes, up to float rounding order.
 torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t group,
                  c10::optional<torch::Tensor> norm, double eps, bool silu_mul, c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2, "river_int4_mm: x must be [M, K]");
@@ -413,15 +401,10 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
   const int64_t M = x.size(0), K = groups * G, N = NB * kLanes;
   TORCH_CHECK(x.size(1) == (silu_mul ? 2 * K : K), "river_int4_mm: shapes do not match");
   torch::Tensor xf = x.scalar_type() == torch::kFloat ? x : x.to(torch::kFloat);
-  if (silu_mul) {  // silu(gate) by at::silu, times up here: the same fp32 multiply as at::mul
+  if (silu_mul) {  // silu(gate) * up
     xf = xf.contiguous();
-    auto gate = at::silu(xf.narrow(1, 0, K)).contiguous();
     auto act = torch::empty({M, K}, torch::kFloat);
-    const float* gp = gate.data_ptr<float>();
-    const float* up = xf.data_ptr<float>() + K;
-    float* ap = act.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) ap[m * K + k] = gp[m * K + k] * up[m * 2 * K + k];
+    river_ops::silu_mul_rows(xf.data_ptr<float>(), M, K, act.data_ptr<float>());
     xf = act;
   }
   xf = xf.contiguous();
@@ -477,9 +460,10 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
 // update (which stays the cache object's own, in Python): ``attention_in`` is the input norm, the stacked
 // q/k/v product and rotary on q and k; ``attention_out`` is SDPA over the updated cache, the o product with
 // the residual, the second norm, the stacked gate/up product, silu(gate) * up and the down product with the
-// residual. silu, SDPA and the norms' mean are ATen's own ops; the rest of the norms, the residual adds,
-// silu(gate) * up and rotary are loops here doing the same single fp32 operations in the same order: the
-// same numbers, bit for bit.
+// residual. Rotary and the residual adds are loops doing the fp32 operations of the Python path in its
+// order; the norms, silu and, for one query token, attention are River's own loops (layer_ops.h), which
+// compute the same functions up to float rounding order (the fused layer's build check bounds the result
+// against the architecture's exit copy); attention over more tokens is ATen's SDPA.
 
 // x [rows, hidden] float; cos4, sin4 [batch, 1, tokens, d] (sin4: first half negated, so
 // x * cos4 + roll(x, d / 2) * sin4 is rotate_half's rotary) -> query [batch, heads, tokens, d],
@@ -517,19 +501,77 @@ std::vector<torch::Tensor> attention_in(torch::Tensor x, torch::Tensor packed, c
   return {qk.narrow(1, 0, heads), qk.narrow(1, heads, kv), values};
 }
 
+// One query token per batch row: query [batch, heads, 1, d] (unit stride in d), keys / values
+// [batch, kv, L, d] (the cache slot), mask none or [batch or 1, 1, 1, L] float (added) or bool (true:
+// attended) -> [batch, heads * d] = softmax(scale * q k^T + mask) v per head, query head h reading K/V head
+// h / (heads / kv). River's own loop (river_ops::attend_group), split by (batch row, K/V head) between
+// threads when there is enough work.
+torch::Tensor attend_one_token(const torch::Tensor& query, torch::Tensor keys, torch::Tensor values,
+                               const c10::optional<torch::Tensor>& mask, double scale) {
+  const int64_t batch = query.size(0), heads = query.size(1), d = query.size(3);
+  const int64_t kv = keys.size(1), L = keys.size(2);
+  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1 && query.stride(3) == 1 && d % 8 == 0 && kv > 0 &&
+                  heads % kv == 0 && keys.dim() == 4 && keys.size(0) == batch && keys.size(3) == d &&
+                  values.sizes() == keys.sizes() && query.scalar_type() == torch::kFloat &&
+                  keys.scalar_type() == torch::kFloat && values.scalar_type() == torch::kFloat,
+              "river_int4 attention_out: one-token attention needs float query [batch, heads, 1, d % 8 == 0] "
+              "and keys / values [batch, kv, L, d]");
+  if (keys.stride(3) != 1) keys = keys.contiguous();
+  if (values.stride(3) != 1) values = values.contiguous();
+  torch::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = mask->stride(3) == 1 ? *mask : mask->contiguous();
+    TORCH_CHECK(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == batch) && m.size(1) == 1 && m.size(2) == 1 &&
+                    m.size(3) == L && (m.scalar_type() == torch::kFloat || m.scalar_type() == torch::kBool),
+                "river_int4 attention_out: the one-token mask must be float or bool [batch or 1, 1, 1, L]");
+  }
+  const int64_t rep = heads / kv;
+  auto out = torch::empty({batch, heads * d}, torch::kFloat);
+  const float* qp = query.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rep * L * d));
+  at::parallel_for(0, batch * kv, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv, g = i % kv;
+      river_ops::Mask mk;
+      if (m.defined()) {
+        const int64_t off = (m.size(0) == 1 ? 0 : b) * m.stride(0);
+        if (m.scalar_type() == torch::kBool) mk.keep = m.data_ptr<bool>() + off;
+        else mk.add = m.data_ptr<float>() + off;
+      }
+      river_ops::attend_group(qp + b * query.stride(0) + g * rep * query.stride(1), query.stride(1), rep,
+                              kp + b * keys.stride(0) + g * keys.stride(1), keys.stride(2),
+                              vp + b * values.stride(0) + g * values.stride(1), values.stride(2), L, d, sc, mk,
+                              op + b * heads * d + g * rep * d, d);
+    }
+  });
+  return out;
+}
+
 // query [batch, heads, tokens, d] (or, for one token, [batch, kv, heads / kv, d]: transformers' packed
-// form), keys / values [batch, kv or heads, length, d], mask (additive or boolean, SDPA's broadcasting) or none, residual [rows, hidden] (the layer's input) -> [rows, hidden]
+// form), keys / values [batch, kv or heads, length, d], mask (additive or boolean, SDPA's broadcasting) or
+// none, residual [rows, hidden] (the layer's input) -> [rows, hidden]. With ``one_token`` (one query token
+// per row, query [batch, heads, 1, d] and the cache slot as it is): River's own attention
+// (attend_one_token) instead of ATen's SDPA.
 torch::Tensor attention_out(torch::Tensor query, torch::Tensor keys, torch::Tensor values,
-                            c10::optional<torch::Tensor> mask, bool causal, double scale, bool gqa,
+                            c10::optional<torch::Tensor> mask, bool causal, double scale, bool gqa, bool one_token,
                             torch::Tensor residual, torch::Tensor o_packed, c10::optional<torch::Tensor> o_bias,
                             int64_t o_group, torch::Tensor gu_packed, c10::optional<torch::Tensor> gu_bias,
                             int64_t gu_group, torch::Tensor norm, double eps, torch::Tensor down_packed,
                             c10::optional<torch::Tensor> down_bias, int64_t down_group) {
   const int64_t rows = residual.size(0);
-  auto attn = at::scaled_dot_product_attention(query, keys, values, mask, 0.0, causal, scale, gqa);
-  // [batch, heads, tokens, d] in head order (also when the query heads came packed per K/V head)
-  const int64_t batch = query.size(0), d = query.size(3);
-  attn = attn.reshape({batch, -1, rows / batch, d}).transpose(1, 2).reshape({rows, -1});
+  torch::Tensor attn;
+  if (one_token) {
+    attn = attend_one_token(query, keys, values, mask, scale);
+  } else {
+    attn = at::scaled_dot_product_attention(query, keys, values, mask, 0.0, causal, scale, gqa);
+    // [batch, heads, tokens, d] in head order (also when the query heads came packed per K/V head)
+    const int64_t batch = query.size(0), d = query.size(3);
+    attn = attn.reshape({batch, -1, rows / batch, d}).transpose(1, 2).reshape({rows, -1});
+  }
   auto h = mm(attn, o_packed, o_bias, o_group, c10::nullopt, 0.0, false, residual);
   auto gu = mm(h, gu_packed, gu_bias, gu_group, norm, eps, false, c10::nullopt);
   return mm(gu, down_packed, down_bias, down_group, c10::nullopt, 0.0, true, h);
@@ -657,4 +699,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("product_ns", &product_ns, "nanoseconds of products added up while the product clock was on");
   m.def("dense_mm", &dense_mm, "river-fp32: fp32 rows times an nn.Linear weight [N, K], read once for all rows");
   m.def("attention_out", &attention_out, "Llama-family exit layer: SDPA, o product, norm, gate/up, silu*up, down");
+  m.def("attend_one_token", &attend_one_token, "one query token's grouped-query attention over a cache slot");
 }
