@@ -185,6 +185,16 @@ def test_its_one_token_attention_is_sdpas_function(kernel, heads, kv, d, length,
     assert error <= max(2 * float((fp32.double() - ref).norm() / ref.norm()), 1e-7)
 
 
+def test_its_one_token_attention_refuses_other_shapes_with_one_error(kernel):
+    attend = river_int4.extension().attend_one_token
+    with pytest.raises(RuntimeError, match="query and keys must be 4-D"):
+        attend(torch.randn(2, 1, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8), None, 0.3)
+    with pytest.raises(RuntimeError, match="one-token attention needs"):
+        attend(torch.randn(1, 2, 3, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8), None, 0.3)
+    with pytest.raises(RuntimeError, match="one-token mask must be"):
+        attend(torch.randn(1, 2, 1, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8), torch.zeros(1, 1, 1, 4), 0.3)
+
+
 def test_its_one_token_attention_gives_a_row_that_attends_to_nothing_zeros(kernel):
     keep = torch.zeros(2, 1, 1, 5, dtype=torch.bool)
     keep[1, ..., 2] = True

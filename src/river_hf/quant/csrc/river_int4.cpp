@@ -508,9 +508,10 @@ std::vector<torch::Tensor> attention_in(torch::Tensor x, torch::Tensor packed, c
 // threads when there is enough work.
 torch::Tensor attend_one_token(const torch::Tensor& query, torch::Tensor keys, torch::Tensor values,
                                const c10::optional<torch::Tensor>& mask, double scale) {
+  TORCH_CHECK(query.dim() == 4 && keys.dim() == 4, "river_int4 attention_out: query and keys must be 4-D");
   const int64_t batch = query.size(0), heads = query.size(1), d = query.size(3);
   const int64_t kv = keys.size(1), L = keys.size(2);
-  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1 && query.stride(3) == 1 && d % 8 == 0 && kv > 0 &&
+  TORCH_CHECK(query.size(2) == 1 && query.stride(3) == 1 && d % 8 == 0 && kv > 0 &&
                   heads % kv == 0 && keys.dim() == 4 && keys.size(0) == batch && keys.size(3) == d &&
                   values.sizes() == keys.sizes() && query.scalar_type() == torch::kFloat &&
                   keys.scalar_type() == torch::kFloat && values.scalar_type() == torch::kFloat,
