@@ -28,9 +28,7 @@ error in the attention or the MLP. A wrong function (another norm, a missing bia
 layout) is off by 10 % or more on every input; the two implementations of one function differ by
 float rounding order. Why the median: a kernel that rounds each call's activations to int8
 (river-int4) turns a one-rounding difference before a product into whole int8 steps, which the
-next products' roundings carry on, so an occasional input shows 1e-3 to 1e-2 where most show 1e-7
-(river-int4 with River's own norm, silu and one-token attention: 3 of the 84 layer-inputs of
-Qwen2.5-Coder-1.5B above 1e-3, at most 9e-3, 1 of the 72 of 0.5B; never two of one layer's three).
+next products' roundings carry on, so an occasional input shows far more than most do.
 
 At run time a fused layer hands a call to its architecture copy when it cannot serve it as
 checked (its :meth:`FusedExitLayer.serves` says so): training mode, a forward hook on the
