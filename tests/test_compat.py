@@ -168,3 +168,20 @@ def test_exit_copies_run_the_architectures_code_when_the_backbone_was_kernelized
     model.generate(x, max_new_tokens=2, do_sample=False)
     assert calls and all(any(m is layer.backbone.input_layernorm or m is layer.backbone.mlp
                              for layer in model.model.layers) for m in calls)
+
+
+@pytest.mark.parametrize("impl", [None, "eager", "sdpa"])
+def test_the_attention_implementation_read_is_the_configs_own(impl):
+    """``attn_implementation`` reads the instance dict's ``_attn_implementation_internal``: the same
+    value as the config's ``_attn_implementation`` property (the default where it is unset), and the
+    property for an object whose dict lacks it."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=1)
+    if impl is not None:
+        config._attn_implementation = impl
+    assert compat.attn_implementation(config) == (config._attn_implementation or "sdpa")
+    assert compat.attn_implementation(SimpleNamespace(_attn_implementation="eager")) == "eager"
+    assert compat.attn_implementation(SimpleNamespace(), default="x") == "x"

@@ -321,3 +321,95 @@ def test_on_a_padded_batch_the_fused_layer_gives_the_architectures_numbers(kerne
     # one activation that the other rounding order lands one int8 step apart moves this 128-wide model's
     # logits by ~2e-3 (a real model's 896-4864-wide layers by ~3e-4); the steps after carry it on
     assert torch.equal(seq_f, seq) and float((got - ref).norm() / ref.norm()) <= 1e-2
+
+
+class _CountingExtension:
+    """river-int4's extension with its calls counted by name."""
+
+    def __init__(self, ext):
+        self.ext, self.calls = ext, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.ext, name)
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args)
+
+        return counted
+
+
+def _stacked_and_layer_by_layer(river, monkeypatch, mode: str, cache=None, **gen):
+    """``generate`` in ``mode`` with exit stacks (``FusedLlamaLayer.stacks``) on and off (``cache``: a
+    maker of each run's cache, None: generate's own): for each, the sequences, the logits, the cache's
+    K/V per layer and the extension's calls by name."""
+    from river_hf.river.fused_llama import FusedLlamaLayer
+
+    runs = {}
+    for stacks in (True, False):
+        counting = _CountingExtension(river_int4.extension())
+        with monkeypatch.context() as m:
+            m.setattr(FusedLlamaLayer, "stacks", stacks)
+            m.setattr(river_int4, "extension", lambda: counting)
+            with river.river_mode(mode), torch.no_grad():
+                out = river.generate(**gen, past_key_values=cache() if cache else None, do_sample=False,
+                                     output_scores=True, return_dict_in_generate=True)
+        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        runs[stacks] = (out.sequences, torch.stack(out.scores), kv, counting.calls)
+    return runs[True], runs[False]
+
+
+@pytest.mark.filterwarnings("ignore:tau=-2 is negative")
+@pytest.mark.parametrize("mode,batch", [("exit", 1), ("exit", 3), ("route", 1), ("lossless", 1)])
+def test_a_decode_step_runs_the_exit_layers_after_the_exit_in_one_call_with_the_same_numbers(
+        kernel, tiny_llama, monkeypatch, mode, batch):
+    """After the exit, a decode step's exit layers run in one call (``exit_stack``: each layer's
+    attention_in, its cache slot's update as DynamicLayer.update does it, River's one-token attention
+    and the layer's tail): the same functions in the same order as the per-layer calls, so the same
+    tokens, logits and KV cache bit for bit; exit mode (a left-padded batch too), route mode exiting
+    after layer 1 (tau -2), lossless drafts."""
+    from river_hf import enable_river
+
+    config = RiverConfig(tau=-2.0, min_layer=1, backend="river-int4", exit_head="river-int4",
+                         exit_layer_impl="fused", fuse_projections=True, draft_tokens=3, prompt_lookup_tokens=0)
+    river = enable_river(tiny_llama(), config=config)
+    ids = torch.randint(3, 256, (batch, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        ids[0, :4], mask[0, :4] = 0, 0  # left padding: a [batch, 1, 1, L] mask each step
+    (seq, logits, kv, calls), (seq_ref, logits_ref, kv_ref, calls_ref) = _stacked_and_layer_by_layer(
+        river, monkeypatch, mode, input_ids=ids, attention_mask=mask, max_new_tokens=6)
+    assert calls.get("exit_stack", 0) > 0 and "exit_stack" not in calls_ref
+    assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
+    assert len(kv) == len(kv_ref) == 3
+    assert all(torch.equal(k, k_ref) and torch.equal(v, v_ref) for (k, v), (k_ref, v_ref) in zip(kv, kv_ref))
+
+
+def test_the_exit_stack_steps_aside_for_a_hook_and_for_a_cache_it_does_not_update(kernel, tiny_llama,
+                                                                                   monkeypatch):
+    """A forward hook on a later layer needs that layer's own output, and a static cache is updated by
+    its own code: then every exit layer runs by itself (no ``exit_stack`` call), with the same tokens."""
+    from transformers import StaticCache
+
+    from river_hf import enable_river
+    from river_hf.river.layer import RiverLayer
+
+    config = RiverConfig(backend="river-int4", exit_head="river-int4", exit_layer_impl="fused", fuse_projections=True)
+    river = enable_river(tiny_llama(), config=config)
+    ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(7))
+    layers = [m for m in river.modules() if isinstance(m, RiverLayer)]
+    seen = []
+    handle = layers[2].register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        (seq, _, _, calls), (seq_ref, _, _, _) = _stacked_and_layer_by_layer(river, monkeypatch, "exit",
+                                                                            input_ids=ids, max_new_tokens=4)
+    finally:
+        handle.remove()
+    assert "exit_stack" not in calls and torch.equal(seq, seq_ref)
+    # the hook saw layer 2's own output in both runs (an exit stack would have handed it its input)
+    assert len(seen) == 8 and all(torch.equal(a, b) for a, b in zip(seen[:4], seen[4:]))
+
+    (seq, _, _, calls), (seq_ref, _, _, _) = _stacked_and_layer_by_layer(
+        river, monkeypatch, "exit", cache=lambda: StaticCache(config=river.config, max_cache_len=32), input_ids=ids,
+        max_new_tokens=4)
+    assert "exit_stack" not in calls and torch.equal(seq, seq_ref)

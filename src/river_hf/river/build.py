@@ -405,6 +405,7 @@ def _wrap_layers(layers: nn.ModuleList, router: RiverRouter, config: RiverConfig
             backbone_bytes.append(linear_weight_bytes(backbone))
             exit_bytes.append(linear_weight_bytes(exit_layer))
             layers[i] = RiverLayer(backbone, exit_layer, router, i)
+    router.layers = list(layers)
     return backbone_bytes, exit_bytes
 
 

@@ -41,7 +41,11 @@ cache slot and the mask as they are, are River's own loops (``csrc/layer_ops.h``
 10-50 µs a call there in dispatch and set-up for microseconds of arithmetic. They compute the same
 functions in another float rounding order, so this path is not bit for bit the architecture copy's
 numbers (the build check bounds it; :mod:`.fused_layer`); more query tokens go to SDPA on the inputs
-transformers gives it, as in the Python path.
+transformers gives it, as in the Python path. On a decode step after the exit, the
+:class:`~river_hf.river.layer.RiverLayer` of the first exit layer hands it the exit layers after it
+(``river_stack``), and where all of them can (:meth:`FusedLlamaLayer._stack_forward`) they run in one
+call, ``exit_stack``: the same functions per layer, each cache slot updated as transformers'
+``DynamicLayer.update`` does it (:func:`~river_hf.compat.dynamic_slots`).
 
 The attention implementations served are ``sdpa`` and ``eager`` (their masks are tensors SDPA
 takes as they are; eager with no mask attends to every key, as eager does); another one
@@ -56,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compat import attn_implementation, sdpa_gqa
+from ..compat import attn_implementation, dynamic_slots, sdpa_gqa
 from ..quant.fused import FUSED_NAMES, GROUPS
 from ..quant.modules import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from ..quant import river_int4
@@ -140,11 +144,16 @@ class FusedLlamaLayer(FusedExitLayer):
     ``attention_mask``, ``position_ids``, ``cache`` (or ``past_key_values``), ``use_cache``,
     ``position_embeddings`` = ``(cos, sin)`` each ``[batch, tokens, head_dim]``, other keyword
     arguments passed on to the cache's ``update``); returns ``[batch, tokens, hidden]`` in the
-    input's dtype. A call it cannot serve (:meth:`serves`, no ``position_embeddings``, a rotary
+    input's dtype. With ``river_stack`` (the exit layers after this one, from its RiverLayer) it
+    returns ``(output after the last layer it ran, how many layers it ran)``: all of them in one call
+    when it can, else itself alone (1). A call it cannot serve (:meth:`serves`, no ``position_embeddings``, a rotary
     table narrower than ``head_dim``, a mask that is not a tensor) runs the architecture copy.
     """
 
     family = "llama"
+    #: whether a decode step after the exit may run this layer and the exit layers after it in one
+    #: call (:meth:`_stack_forward`; RiverLayer asks with ``river_stack``); False: one call pair a layer
+    stacks = True
 
     def __init__(self, exit_copy: nn.Module, config):
         super().__init__(exit_copy)
@@ -192,7 +201,13 @@ class FusedLlamaLayer(FusedExitLayer):
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
-                use_cache: bool | None = False, position_embeddings=None, **kwargs) -> torch.Tensor:
+                use_cache: bool | None = False, position_embeddings=None, river_stack=None, **kwargs):
+        if river_stack is not None:  # RiverLayer asks this layer to run the exit layers after it too
+            out = self._stack_forward(river_stack, hidden_states, attention_mask, cache, position_embeddings, kwargs)
+            if out is not None:
+                return out, len(river_stack) + 1
+            return self.forward(hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
+                                **kwargs), 1
         past = kwargs.pop("past_key_values", None)
         if cache is None:
             cache = past
@@ -283,6 +298,82 @@ class FusedLlamaLayer(FusedExitLayer):
                                 o.group_size, gu.packed, gu.bias, gu.group_size, norm2.weight, norm2.variance_epsilon,
                                 down.packed, down.bias, down.group_size)
         return out.view(batch, tokens, hidden)
+
+    def _stack_forward(self, following, hidden_states, attention_mask, cache, position_embeddings, kwargs):
+        """This layer and the exit layers ``following`` it (a decode step after the exit) in one call of
+        river-int4's extension (``exit_stack``), or None when that call cannot serve them: each layer
+        as :meth:`_int4_forward` computes it for one query token with River's own attention, and each
+        layer's KV-cache slot updated as ``cache.update`` would (``compat.dynamic_slots``: transformers'
+        ``DynamicLayer``, the layer's ``keys`` / ``values`` assigned the concatenated tensors), so the
+        same numbers and the same cache; what goes is ~40-60 µs of Python and argument passing a layer.
+        Every layer must be a river-int4 ``FusedLlamaLayer`` of the same shape that serves the call
+        (:meth:`serves`, no hook on it), with one attention implementation and layer type, and the
+        ``hidden_states`` ``[batch, 1, hidden]`` fp32 with a mask :func:`_one_token_mask` takes."""
+        if cache is None:
+            cache = kwargs.get("past_key_values")
+        batch, tokens, hidden = hidden_states.shape
+        if (not self.stacks or position_embeddings is None or tokens != 1 or not self.int4_calls
+                or hidden_states.dtype != torch.float32 or self.head_dim % 8
+                or (attention_mask is not None and not isinstance(attention_mask, torch.Tensor))):
+            return None
+        cos4, sin4 = step_tables(*position_embeddings)
+        if cos4.dtype != torch.float32 or cos4.shape[0] not in (1, batch) or cos4.shape[2] != 1 or \
+                cos4.shape[3] != self.head_dim:
+            return None
+        layers = (self, *following)
+        shape = (self.head_dim, self.heads, self.kv_heads, self.scaling, self.hidden)
+        types = getattr(self.attn_config, "layer_types", None)
+        for layer in layers:
+            if (type(layer) is not FusedLlamaLayer or not layer.int4_calls or layer._forward_hooks
+                    or layer._forward_pre_hooks or not layer.serves()
+                    or (layer.head_dim, layer.heads, layer.kv_heads, layer.scaling, layer.hidden) != shape
+                    or _pass_attn_implementation(layer.attn_config) not in _ATTENTION
+                    or (types is not None and types[layer.layer_index] != types[self.layer_index])):
+                return None
+        if cache is None:
+            slots, length = None, 1
+        else:
+            slots = dynamic_slots(cache, [layer.layer_index for layer in layers])
+            if slots is None:
+                return None
+            length = slots[0].keys.shape[-2] + 1
+            if any(slot.keys.shape[-2] + 1 != length or slot.keys.dtype != torch.float32 for slot in slots):
+                return None
+        if not _one_token_mask(attention_mask, batch, length):
+            return None
+        args = self._stack_args(layers)
+        past_keys = [slot.keys for slot in slots] if slots else []
+        past_values = [slot.values for slot in slots] if slots else []
+        out = river_int4.extension().exit_stack(hidden_states.reshape(batch, hidden), *args, cos4, sin4, past_keys,
+                                                past_values, attention_mask, self.heads, self.kv_heads, self.head_dim,
+                                                self.scaling)
+        if slots:
+            n = len(layers)
+            for slot, keys, values in zip(slots, out[1:1 + n], out[1 + n:]):
+                slot.keys, slot.values = keys, values
+        return out[0].view(batch, 1, hidden)
+
+    def _stack_args(self, layers) -> tuple:
+        """``exit_stack``'s per-layer argument lists for ``layers`` (made once per tuple of layers):
+        packed weights, biases and group sizes of q|k|v, o, gate|up and down, the two norms' weights
+        and epsilons."""
+        key = tuple(map(id, layers))
+        memo = self.__dict__.setdefault("_stack_memo", {})
+        args = memo.get(key)
+        kernels = [layer.kernels[name][0] for layer in layers for name in ("qkv", "o", "gu", "down")]
+        if args is None or any(k.packed is not p for k, p in zip(kernels, args[0])):  # new buffers (``.to``)
+            packed, bias, group, norms, eps = [], [], [], [], []
+            for layer in layers:
+                for name in ("qkv", "o", "gu", "down"):
+                    kernel = layer.kernels[name][0]
+                    packed.append(kernel.packed)
+                    bias.append(kernel.bias)
+                    group.append(kernel.group_size)
+                for norm in layer.norms:
+                    norms.append(norm.weight)
+                    eps.append(norm.variance_epsilon)
+            args = memo[key] = (packed, bias, group, norms, eps)
+        return args
 
     def extra_repr(self) -> str:
         separate = [k for k, mods in self.kernels.items() if len(mods) > 1]

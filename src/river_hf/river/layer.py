@@ -76,6 +76,7 @@ class _ThreadState(threading.local):
         self.cap = num_layers  # deepest exit layer this pass may have (SkipDecode)
         # what the layers after the exit run: the exit copies in "exit" mode (the fully quantized model)
         self.pass_strategy = _EXIT_LAYERS if self.exited or strategy is None else strategy
+        self.stacked = 0  # layers below this index already ran in an exit stack this pass (FusedLlamaLayer)
         self.mask = None
         self.token_mask = None
         self.per_row = False  # rows may exit at different layers in this pass
@@ -116,6 +117,7 @@ class RiverRouter:
         self.prefill = prefill
         self._local = _ThreadState()
         self._last_stats: dict = {}
+        self.layers: list = []  # the model's RiverLayers in order (set by the build), for exit stacks
 
     # -- settings (shared), with this thread's overrides ---------------------------------------
 
@@ -326,6 +328,7 @@ class RiverRouter:
         """Finish a forward pass: log it when a :meth:`recording` is open, and tell a
         :class:`RiverCache` who served each layer."""
         local = self._local
+        local.stacked = 0  # a layer called outside a pass runs itself
         if local.log is not None:
             local.log.append((batch, tokens, local.exit_layer, time.perf_counter(), tuple(self.row_exit_layers(batch))))
         if hasattr(cache, "record_exit_layer"):
@@ -372,6 +375,10 @@ class RiverLayer(ReadsThroughToBackbone):
         local = router._local  # one thread-local lookup per layer
         strategy = local.pass_strategy
         if local.exited:
+            if self.river_layer_idx < local.stacked:
+                return hidden_states  # its exit layer ran in this pass's exit stack
+            if strategy is _EXIT_LAYERS and getattr(self.exit_layer, "stacks", False):
+                return self._stack(hidden_states, args, kwargs, local)
             return strategy.skipped(self, hidden_states, args, kwargs)
         if local.backbone_rows is not None:
             return self._split(hidden_states, args, kwargs, local)
@@ -379,6 +386,21 @@ class RiverLayer(ReadsThroughToBackbone):
             kwargs = strategy.before_layer(self, hidden_states, kwargs)
         out = self.backbone(hidden_states, *args, **kwargs)
         router.after_backbone(self.river_layer_idx, hidden_states, out[0] if isinstance(out, tuple) else out)
+        return out
+
+    def _stack(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict, local):
+        """River's exit layers from this one to the last, as one call when the fused exit layer can
+        run them together (``river_stack``: it returns ``(output, layers run)``; the decoder loop
+        still calls the later RiverLayers, which then hand their input on). A hook on this exit
+        layer, or on a later RiverLayer or exit layer (an output capture), sees each layer's own
+        call: then layer by layer."""
+        later = self.router.layers[self.river_layer_idx + 1:]
+        if not later or any(m._forward_hooks or m._forward_pre_hooks
+                            for m in (self.exit_layer, *later, *(layer.exit_layer for layer in later))):
+            return self.exit_layer(hidden_states, *args, **kwargs)
+        following = tuple(layer.exit_layer for layer in later)
+        out, ran = self.exit_layer(hidden_states, *args, river_stack=following, **kwargs)
+        local.stacked = self.river_layer_idx + ran
         return out
 
     def _split(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict, local):

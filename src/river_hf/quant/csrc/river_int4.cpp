@@ -138,13 +138,6 @@ inline float reduce_add16(__m256 a, __m256 b) {
   return _mm_cvtss_f32(t10);
 }
 
-inline float reduce_max8(__m256 a) {
-  __m128 m = _mm_max_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
-  m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
-  m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtss_f32(m);
-}
-
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* qx, float* xs, float* xsum,
                    int32_t* qsum) {
   const int64_t groups = K / G;
@@ -159,7 +152,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* qx, 
         sum_lo = _mm256_add_ps(sum_lo, a);
         sum_hi = _mm256_add_ps(sum_hi, b);
       }
-      const float amax = reduce_max8(vmax);
+      const float amax = river_ops::hmax8(vmax);
       const float scale = amax / 127.0f;
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       xs[m * groups + g] = scale;
@@ -552,6 +545,18 @@ torch::Tensor attend_one_token(const torch::Tensor& query, torch::Tensor keys, t
   return out;
 }
 
+// attn [rows, heads * d], residual [rows, hidden] (the layer's input) -> h + down(silu(gate) * up) with
+// h = residual + o(attn) and gate | up = gu(norm(h)): the layer after attention, three river-int4 products.
+torch::Tensor layer_tail(const torch::Tensor& attn, const torch::Tensor& residual, const torch::Tensor& o_packed,
+                         const c10::optional<torch::Tensor>& o_bias, int64_t o_group, const torch::Tensor& gu_packed,
+                         const c10::optional<torch::Tensor>& gu_bias, int64_t gu_group, const torch::Tensor& norm,
+                         double eps, const torch::Tensor& down_packed, const c10::optional<torch::Tensor>& down_bias,
+                         int64_t down_group) {
+  auto h = mm(attn, o_packed, o_bias, o_group, c10::nullopt, 0.0, false, residual);
+  auto gu = mm(h, gu_packed, gu_bias, gu_group, norm, eps, false, c10::nullopt);
+  return mm(gu, down_packed, down_bias, down_group, c10::nullopt, 0.0, true, h);
+}
+
 // query [batch, heads, tokens, d] (or, for one token, [batch, kv, heads / kv, d]: transformers' packed
 // form), keys / values [batch, kv or heads, length, d], mask (additive or boolean, SDPA's broadcasting) or
 // none, residual [rows, hidden] (the layer's input) -> [rows, hidden]. With ``one_token`` (one query token
@@ -573,9 +578,44 @@ torch::Tensor attention_out(torch::Tensor query, torch::Tensor keys, torch::Tens
     const int64_t batch = query.size(0), d = query.size(3);
     attn = attn.reshape({batch, -1, rows / batch, d}).transpose(1, 2).reshape({rows, -1});
   }
-  auto h = mm(attn, o_packed, o_bias, o_group, c10::nullopt, 0.0, false, residual);
-  auto gu = mm(h, gu_packed, gu_bias, gu_group, norm, eps, false, c10::nullopt);
-  return mm(gu, down_packed, down_bias, down_group, c10::nullopt, 0.0, true, h);
+  return layer_tail(attn, residual, o_packed, o_bias, o_group, gu_packed, gu_bias, gu_group, norm, eps, down_packed,
+                    down_bias, down_group);
+}
+
+// The exit layers of one decode step after the exit, in one call: for each layer i, attention_in, the KV
+// cache slot's update as transformers' DynamicLayer.update does it (keys = cat([past, new], -2), values
+// likewise; no past: the new K/V as they are), River's one-token attention over the slot and layer_tail,
+// the same functions attention_in / attention_out compute (so the same numbers as the per-layer calls).
+// x [batch, hidden] float (one token per row); per layer, in order: packed / bias / group of q|k|v, o,
+// gate|up and down (packed[4 i + j], ...), the two norms' weights and eps (norms[2 i + j], ...);
+// past_keys / past_values: one [batch, kv, L - 1, d] float per layer, or empty lists (no cache); mask as
+// attend_one_token -> {out [batch, hidden], keys of each layer..., values of each layer...}.
+std::vector<torch::Tensor> exit_stack(torch::Tensor x, std::vector<torch::Tensor> packed,
+                                      std::vector<c10::optional<torch::Tensor>> bias, std::vector<int64_t> group,
+                                      std::vector<torch::Tensor> norms, std::vector<double> eps, torch::Tensor cos4,
+                                      torch::Tensor sin4, std::vector<torch::Tensor> past_keys,
+                                      std::vector<torch::Tensor> past_values, c10::optional<torch::Tensor> mask,
+                                      int64_t heads, int64_t kv, int64_t d, double scale) {
+  const int64_t layers = static_cast<int64_t>(norms.size()) / 2, batch = x.size(0);
+  TORCH_CHECK(layers > 0 && packed.size() == 4 * layers && bias.size() == 4 * layers && group.size() == 4 * layers &&
+                  norms.size() == 2 * layers && eps.size() == 2 * layers &&
+                  (past_keys.empty() || (past_keys.size() == layers && past_values.size() == layers)),
+              "river_int4 exit_stack: 4 products, 2 norms and 0 or 1 past K/V per layer");
+  std::vector<torch::Tensor> keys(layers), values(layers);
+  for (int64_t i = 0; i < layers; ++i) {
+    auto qkv = attention_in(x, packed[4 * i], bias[4 * i], group[4 * i], norms[2 * i], eps[2 * i], cos4, sin4, batch,
+                            1, heads, kv, d);
+    keys[i] = past_keys.empty() ? qkv[1] : at::cat({past_keys[i], qkv[1]}, 2);
+    values[i] = past_keys.empty() ? qkv[2] : at::cat({past_values[i], qkv[2]}, 2);
+    auto attn = attend_one_token(qkv[0], keys[i], values[i], mask, scale);
+    x = layer_tail(attn, x, packed[4 * i + 1], bias[4 * i + 1], group[4 * i + 1], packed[4 * i + 2], bias[4 * i + 2],
+                   group[4 * i + 2], norms[2 * i + 1], eps[2 * i + 1], packed[4 * i + 3], bias[4 * i + 3],
+                   group[4 * i + 3]);
+  }
+  std::vector<torch::Tensor> out{x};
+  out.insert(out.end(), keys.begin(), keys.end());
+  out.insert(out.end(), values.begin(), values.end());
+  return out;
 }
 
 
@@ -585,13 +625,7 @@ torch::Tensor attention_out(torch::Tensor query, torch::Tensor keys, torch::Tens
 // in steps of 8 (FMA; the last partial step masked), summed across lanes at the end in a fixed order, so a
 // row's numbers do not depend on the other rows of the call, on how the rows are blocked or on the thread
 // count. A block of NW weight rows shares each x load and each x row its weight loads (R x NW accumulators,
-// NW weight vectors and one x vector fit the 16 AVX registers). AVX2 + FMA, also in the AVX-512 build.
-inline float hsum8(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+// NW weight vectors and one x vector fit the 16 AVX registers). AVX2 + FMA, also in the AVX-512 build; lanes summed by river_ops::hsum8.
 
 // R rows times weight rows n..n+NW-1. pf (or null): the next block's first weight row, fetched into the
 // cache one line per weight row every 16 floats while this block computes, so a multi-row call does not
@@ -623,7 +657,7 @@ void dense_block(const float* x, int64_t K, const float* W, int64_t n, int64_t N
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NW; ++j) y[r * N + n + j] = hsum8(acc[r][j]) + (bias ? bias[n + j] : 0.0f);
+    for (int j = 0; j < NW; ++j) y[r * N + n + j] = river_ops::hsum8(acc[r][j]) + (bias ? bias[n + j] : 0.0f);
 }
 
 // rows (1..RM) rows times one block of NW weight rows
@@ -701,4 +735,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_mm", &dense_mm, "river-fp32: fp32 rows times an nn.Linear weight [N, K], read once for all rows");
   m.def("attention_out", &attention_out, "Llama-family exit layer: SDPA, o product, norm, gate/up, silu*up, down");
   m.def("attend_one_token", &attend_one_token, "one query token's grouped-query attention over a cache slot");
+  m.def("exit_stack", &exit_stack, "Llama-family exit layers of one decode step, KV cache slots updated, in one call");
 }
