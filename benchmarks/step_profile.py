@@ -18,7 +18,10 @@ attention, norms/rotary/elementwise, routing, forward glue and generate loop.
 
 The decode step of a mode is the mean over its decode passes (the prefill pass is left out).
 Profiler overhead: each profiled run is paired with an unprofiled run of the same mode, and the
-profiled decode time per token is compared with the unprofiled one (``overhead``).
+profiled decode time per token is compared with the unprofiled one (``overhead``). The hooks' own
+cost lands in the non-product categories, so each mode also gets its non-product share both ways:
+``non_product_share`` (1 - products and head / the profiled pass) and, for the one-token modes,
+``non_product_share_unprofiled`` (1 - the same products / the unprofiled decode step).
 
 **Fusion** (``--fusion``): the exit layers are built twice, with ``fuse_projections`` on and off
 (same backbone, same kernel choice per shape, swapped in place), and ``river_hf.timing.compare``
@@ -106,10 +109,18 @@ def profile(model, plain, inputs: dict, gen: dict, repeats: int, draft_tokens: i
         totals = [sum(row["ms"].values()) for row in rows]
         total = statistics.median(totals)
         mode = "lossless" if label.startswith("lossless") else label
+        products = sum(ms[c] for c in ("backbone products", "exit products", "head"))
+        unprofiled = statistics.median(step_ms[mode])
+        one_token = rows[0]["tokens_per_pass"] == 1 and mode != "lossless"
         out[label] = {"ms": ms, "share": {c: v / total for c, v in ms.items()},
+                      # everything but the products (and the head), of the profiled pass; and of the same
+                      # mode's unprofiled decode step (one-token modes: a pass is a token), which leaves out
+                      # what the hooks themselves cost
+                      "non_product_share": 1.0 - products / total,
+                      "non_product_share_unprofiled": 1.0 - products / unprofiled if one_token else None,
                       "total_ms": {"median": total, "min": min(totals), "max": max(totals)},
                       "passes_per_run": rows[0]["passes"], "tokens_per_pass": rows[0]["tokens_per_pass"],
-                      "unprofiled_ms_per_token": statistics.median(step_ms[mode]),
+                      "unprofiled_ms_per_token": unprofiled,
                       "profiler_overhead": {"median": statistics.median(overhead[mode]),
                                             "min": min(overhead[mode]), "max": max(overhead[mode])}}
     return out
@@ -180,13 +191,16 @@ def plot(report: dict, path: Path) -> None:
 
 
 def table(report: dict) -> str:
-    head = "| mode | " + " | ".join(CATEGORIES) + " | total ms | profiler overhead |"
-    lines = [head, "|" + "---|" * (len(CATEGORIES) + 3)]
+    head = ("| mode | " + " | ".join(CATEGORIES) + " | total ms | profiler overhead | non-product share "
+            "(profiled / unprofiled step) |")
+    lines = [head, "|" + "---|" * (len(CATEGORIES) + 4)]
     for label, row in report["profile"].items():
         cells = [f"{row['ms'][c]:.2f} ({100 * row['share'][c]:.0f}%)" for c in CATEGORIES]
         o = row["profiler_overhead"]
+        bare = row.get("non_product_share_unprofiled")
+        share = f"{100 * row['non_product_share']:.0f}% / " + ("--" if bare is None else f"{100 * bare:.0f}%")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {row['total_ms']['median']:.1f} | "
-                     f"{100 * o['median']:+.0f}% |")
+                     f"{100 * o['median']:+.0f}% | {share} |")
     return "\n".join(lines)
 
 
