@@ -413,3 +413,40 @@ def test_the_exit_stack_steps_aside_for_a_hook_and_for_a_cache_it_does_not_updat
         river, monkeypatch, "exit", cache=lambda: StaticCache(config=river.config, max_cache_len=32), input_ids=ids,
         max_new_tokens=4)
     assert "exit_stack" not in calls and torch.equal(seq, seq_ref)
+
+
+def test_the_exit_stack_reads_the_live_layers_their_hooks_and_their_current_weights(kernel, tiny_llama, monkeypatch):
+    """The stack is made from what the model holds at each step, not from what the build saw: a hook
+    on a later exit layer (the fused layer's own check) and a decoder layer swapped into the model's
+    list both make every exit layer run by itself; weights put in place after a stacked step (a new
+    ``packed`` buffer, as ``.to`` puts one) are the ones the next stacked step reads."""
+    from river_hf import enable_river
+    from river_hf.river.layer import RiverLayer
+
+    config = RiverConfig(backend="river-int4", exit_head="river-int4", exit_layer_impl="fused", fuse_projections=True)
+    river = enable_river(tiny_llama(), config=config)
+    ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(8))
+    layers = [m for m in river.modules() if isinstance(m, RiverLayer)]
+    (seq0, _, _, calls), _ = _stacked_and_layer_by_layer(river, monkeypatch, "exit", input_ids=ids, max_new_tokens=4)
+    assert calls.get("exit_stack", 0) > 0  # the stack's arguments are now memoized
+
+    handle = layers[2].exit_layer.register_forward_pre_hook(lambda module, args: None)
+    try:
+        (seq, _, _, calls), (seq_ref, _, _, _) = _stacked_and_layer_by_layer(river, monkeypatch, "exit",
+                                                                            input_ids=ids, max_new_tokens=4)
+    finally:
+        handle.remove()
+    assert "exit_stack" not in calls and torch.equal(seq, seq_ref) and torch.equal(seq, seq0)
+
+    # layer 1's down product takes layer 2's packed weights (same shape): a new buffer object
+    down1, down2 = layers[1].exit_layer.kernels["down"][0], layers[2].exit_layer.kernels["down"][0]
+    down1.packed = down2.packed.clone()
+    (seq, logits, _, calls), (seq_ref, logits_ref, _, _) = _stacked_and_layer_by_layer(
+        river, monkeypatch, "exit", input_ids=ids, max_new_tokens=4)
+    assert calls.get("exit_stack", 0) > 0 and torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
+
+    decoder = river.model.layers
+    decoder[2] = layers[2].backbone  # the architecture's own layer back in place of its RiverLayer
+    (seq, _, _, calls), (seq_ref, _, _, _) = _stacked_and_layer_by_layer(river, monkeypatch, "exit",
+                                                                        input_ids=ids, max_new_tokens=4)
+    assert "exit_stack" not in calls and torch.equal(seq, seq_ref)

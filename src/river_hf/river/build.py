@@ -405,7 +405,7 @@ def _wrap_layers(layers: nn.ModuleList, router: RiverRouter, config: RiverConfig
             backbone_bytes.append(linear_weight_bytes(backbone))
             exit_bytes.append(linear_weight_bytes(exit_layer))
             layers[i] = RiverLayer(backbone, exit_layer, router, i)
-    router.layers = list(layers)
+    router.layers = layers  # the live list: RiverLayer._stack reads the layers after it
     return backbone_bytes, exit_bytes
 
 

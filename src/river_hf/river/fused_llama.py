@@ -137,6 +137,14 @@ def _feed_dtype(kernel: nn.Module) -> torch.dtype | None:
     return None
 
 
+def _holder(module: nn.Module, name: str) -> dict:
+    """The dict that holds ``module``'s attribute ``name``: its parameters, its buffers or its own."""
+    for d in (module._parameters, module._buffers):
+        if name in d:
+            return d
+    return module.__dict__
+
+
 class FusedLlamaLayer(FusedExitLayer):
     """The fused exit layer of a Llama / Qwen2 / Mistral exit copy (module docstring).
 
@@ -356,23 +364,29 @@ class FusedLlamaLayer(FusedExitLayer):
     def _stack_args(self, layers) -> tuple:
         """``exit_stack``'s per-layer argument lists for ``layers`` (made once per tuple of layers):
         packed weights, biases and group sizes of q|k|v, o, gate|up and down, the two norms' weights
-        and epsilons."""
+        and epsilons. Remade when any of those tensors is no longer the one the module holds: ``.to``
+        and the like put new buffers (``packed``, ``bias``) in place; a parameter keeps its object
+        unless one is assigned. The check reads the modules' own ``_buffers`` / ``_parameters``
+        dicts (``nn.Module.__getattr__`` costs ~0.3 µs a read)."""
         key = tuple(map(id, layers))
         memo = self.__dict__.setdefault("_stack_memo", {})
-        args = memo.get(key)
-        kernels = [layer.kernels[name][0] for layer in layers for name in ("qkv", "o", "gu", "down")]
-        if args is None or any(k.packed is not p for k, p in zip(kernels, args[0])):  # new buffers (``.to``)
-            packed, bias, group, norms, eps = [], [], [], [], []
-            for layer in layers:
-                for name in ("qkv", "o", "gu", "down"):
-                    kernel = layer.kernels[name][0]
-                    packed.append(kernel.packed)
-                    bias.append(kernel.bias)
-                    group.append(kernel.group_size)
-                for norm in layer.norms:
-                    norms.append(norm.weight)
-                    eps.append(norm.variance_epsilon)
-            args = memo[key] = (packed, bias, group, norms, eps)
+        entry = memo.get(key)
+        if entry is not None and all(d[name] is t for d, name, t in entry[1]):
+            return entry[0]
+        packed, bias, group, norms, eps, held = [], [], [], [], [], []
+        for layer in layers:
+            for name in ("qkv", "o", "gu", "down"):
+                kernel = layer.kernels[name][0]
+                packed.append(kernel.packed)
+                bias.append(kernel.bias)
+                group.append(kernel.group_size)
+                held += [(_holder(kernel, "packed"), "packed", kernel.packed), (_holder(kernel, "bias"), "bias", kernel.bias)]
+            for norm in layer.norms:
+                norms.append(norm.weight)
+                eps.append(norm.variance_epsilon)
+                held.append((_holder(norm, "weight"), "weight", norm.weight))
+        args = (packed, bias, group, norms, eps)
+        memo[key] = (args, held)
         return args
 
     def extra_repr(self) -> str:

@@ -117,7 +117,9 @@ class RiverRouter:
         self.prefill = prefill
         self._local = _ThreadState()
         self._last_stats: dict = {}
-        self.layers: list = []  # the model's RiverLayers in order (set by the build), for exit stacks
+        #: the model's decoder ``nn.ModuleList`` itself (set by the build; read live, so a layer swapped in
+        #: later is seen), for exit stacks: the RiverLayers after the first exit layer
+        self.layers: nn.ModuleList = nn.ModuleList()
 
     # -- settings (shared), with this thread's overrides ---------------------------------------
 
@@ -394,12 +396,14 @@ class RiverLayer(ReadsThroughToBackbone):
         still calls the later RiverLayers, which then hand their input on). A hook on this exit
         layer, or on a later RiverLayer or exit layer (an output capture), sees each layer's own
         call: then layer by layer."""
-        later = self.router.layers[self.river_layer_idx + 1:]
-        if not later or any(m._forward_hooks or m._forward_pre_hooks
-                            for m in (self.exit_layer, *later, *(layer.exit_layer for layer in later))):
-            return self.exit_layer(hidden_states, *args, **kwargs)
-        following = tuple(layer.exit_layer for layer in later)
-        out, ran = self.exit_layer(hidden_states, *args, river_stack=following, **kwargs)
+        exit_layer = self.exit_layer
+        later = list(self.router.layers._modules.values())[self.river_layer_idx + 1:]  # the live decoder list
+        if (not later or exit_layer._forward_hooks or exit_layer._forward_pre_hooks
+                or any(type(m) is not RiverLayer or m._forward_hooks or m._forward_pre_hooks for m in later)):
+            return exit_layer(hidden_states, *args, **kwargs)
+        # the exit layers' own hooks are the fused layer's to check (FusedLlamaLayer._stack_forward)
+        following = tuple(layer._modules[self._EXIT] for layer in later)
+        out, ran = exit_layer(hidden_states, *args, river_stack=following, **kwargs)
         local.stacked = self.river_layer_idx + ran
         return out
 
