@@ -156,3 +156,24 @@ def test_batch_runs_left_padded_batches_with_every_rows_tokens(tiny_folder, tmp_
     assert batched["tokens"]["unmodified"] == solo["tokens"]["unmodified"]
     assert batched["tokens"]["river"] == batched["tokens"]["unmodified"]
     assert "batch 2" in (tmp_path / "b.md").read_text()
+
+
+def test_kv_growth_probe_times_both_caches_with_the_same_tokens(tiny_folder, tmp_path):
+    """benchmarks/probes/kv_growth.py: per mode and length, River's growing slots and transformers'
+    DynamicCache are timed in alternating rounds on the same model, their tokens equal; a bad
+    --new-tokens or --modes is an argparse error with nothing written."""
+    import json
+
+    import pytest
+
+    bench = load_benchmark("probes/kv_growth")
+    out = tmp_path / "kv.json"
+    assert bench.main(["--model", tiny_folder, "--modes", "exit,lossless", "--new-tokens", "3,5", "--repeats", "1",
+                       "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["same_tokens"] == {"exit 3": True, "exit 5": True, "lossless 3": True, "lossless 5": True}
+    assert len(report["rows"]) == 8 and (tmp_path / "kv.png").exists()
+    for argv in (["--new-tokens", "1"], ["--modes", "plain"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main([*argv, "--out", str(tmp_path / "bad.json")])
+        assert e.value.code == 2 and not (tmp_path / "bad.json").exists()

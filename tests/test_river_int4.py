@@ -367,9 +367,15 @@ def test_a_decode_step_runs_the_exit_layers_after_the_exit_in_one_call_with_the_
     attention_in, its cache slot's update as DynamicLayer.update does it, River's one-token attention
     and the layer's tail): the same functions in the same order as the per-layer calls, so the same
     tokens, logits and KV cache bit for bit; exit mode (a left-padded batch too), route mode exiting
-    after layer 1 (tau -2), lossless drafts."""
-    from river_hf import enable_river
+    after layer 1 (tau -2), lossless drafts. The cache is River's own (slots that grow in place, here
+    with room for 2 positions, so the stack's writes cross allocations) or transformers'
+    ``DynamicCache`` (the stack concatenates as ``DynamicLayer.update`` does): the same numbers."""
+    from transformers import DynamicCache
 
+    from river_hf import enable_river
+    from river_hf.river.cache import GrowingLayer
+
+    monkeypatch.setattr(GrowingLayer, "MIN_ROOM", 2)
     config = RiverConfig(tau=-2.0, min_layer=1, backend="river-int4", exit_head="river-int4",
                          exit_layer_impl="fused", fuse_projections=True, draft_tokens=3, prompt_lookup_tokens=0)
     river = enable_river(tiny_llama(), config=config)
@@ -377,12 +383,18 @@ def test_a_decode_step_runs_the_exit_layers_after_the_exit_in_one_call_with_the_
     mask = torch.ones_like(ids)
     if batch > 1:
         ids[0, :4], mask[0, :4] = 0, 0  # left padding: a [batch, 1, 1, L] mask each step
-    (seq, logits, kv, calls), (seq_ref, logits_ref, kv_ref, calls_ref) = _stacked_and_layer_by_layer(
-        river, monkeypatch, mode, input_ids=ids, attention_mask=mask, max_new_tokens=6)
-    assert calls.get("exit_stack", 0) > 0 and "exit_stack" not in calls_ref
-    assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
-    assert len(kv) == len(kv_ref) == 3
-    assert all(torch.equal(k, k_ref) and torch.equal(v, v_ref) for (k, v), (k_ref, v_ref) in zip(kv, kv_ref))
+    runs = []
+    for cache in (None, lambda: DynamicCache(config=river.config)):
+        (seq, logits, kv, calls), (seq_ref, logits_ref, kv_ref, calls_ref) = _stacked_and_layer_by_layer(
+            river, monkeypatch, mode, cache=cache, input_ids=ids, attention_mask=mask, max_new_tokens=6)
+        assert calls.get("exit_stack", 0) > 0 and "exit_stack" not in calls_ref
+        assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
+        assert len(kv) == len(kv_ref) == 3
+        assert all(torch.equal(k, k_ref) and torch.equal(v, v_ref) for (k, v), (k_ref, v_ref) in zip(kv, kv_ref))
+        runs.append((seq, logits, kv))
+    (seq, logits, kv), (seq_cat, logits_cat, kv_cat) = runs
+    assert torch.equal(seq, seq_cat) and torch.equal(logits, logits_cat)
+    assert all(torch.equal(k, k_c) and torch.equal(v, v_c) for (k, v), (k_c, v_c) in zip(kv, kv_cat))
 
 
 def test_the_exit_stack_steps_aside_for_a_hook_and_for_a_cache_it_does_not_update(kernel, tiny_llama,

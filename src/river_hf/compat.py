@@ -243,16 +243,17 @@ def sdpa_gqa(query, keys, values, mask, rep: int):
     return query, repeat_kv(keys, rep), repeat_kv(values, rep), mask, False
 
 
-def dynamic_slots(cache, indices) -> list | None:
+def dynamic_slots(cache, indices, growing: tuple = ()) -> list | None:
     """The cache layers (slots) ``indices`` of ``cache`` when updating each through ``cache.update``
     comes down to ``DynamicLayer.update`` on an initialized layer: ``keys = cat([keys, new], -2)``,
     ``values`` likewise, both returned. Then River's exit stack (:mod:`river_hf.river.fused_llama`)
     does that update itself and assigns the layer's ``keys`` / ``values``, with the same tensors as
     a result. None for anything else: another cache class, a subclass that overrides ``update``, an
     offloading cache, a slot that is not exactly a ``DynamicLayer`` (sliding window, quantized,
-    static) or is not initialized yet. Checked on 5.24.0 and 5.25.0 (``Cache.update``:
-    ``layers[i].update`` plus offloading; ``DynamicLayer.update``: the lazy initialization and the
-    two ``cat``)."""
+    static) or is not initialized yet. ``growing``: slot classes accepted too, whose update the
+    caller does its own way (River's ``GrowingLayer``: :mod:`river_hf.river.cache`). Checked on
+    5.24.0 and 5.25.0 (``Cache.update``: ``layers[i].update`` plus offloading;
+    ``DynamicLayer.update``: the lazy initialization and the two ``cat``)."""
     from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
     if not isinstance(cache, DynamicCache) or type(cache).update is not Cache.update or cache.offloading:
@@ -261,7 +262,7 @@ def dynamic_slots(cache, indices) -> list | None:
     slots = []
     for i in indices:
         layer = layers[i] if i < len(layers) else None
-        if type(layer) is not DynamicLayer or not layer.is_initialized:
+        if (type(layer) is not DynamicLayer and type(layer) not in growing) or not layer.is_initialized:
             return None
         slots.append(layer)
     return slots

@@ -45,7 +45,8 @@ transformers gives it, as in the Python path. On a decode step after the exit, t
 :class:`~river_hf.river.layer.RiverLayer` of the first exit layer hands it the exit layers after it
 (``river_stack``), and where all of them can (:meth:`FusedLlamaLayer._stack_forward`) they run in one
 call, ``exit_stack``: the same functions per layer, each cache slot updated as transformers'
-``DynamicLayer.update`` does it (:func:`~river_hf.compat.dynamic_slots`).
+``DynamicLayer.update`` does it (:func:`~river_hf.compat.dynamic_slots`), or, on River's own
+:class:`~river_hf.river.cache.GrowingLayer` slots, each new position written into the slot's room.
 
 The attention implementations served are ``sdpa`` and ``eager`` (their masks are tensors SDPA
 takes as they are; eager with no mask attends to every key, as eager does); another one
@@ -65,6 +66,7 @@ from ..quant.fused import FUSED_NAMES, GROUPS
 from ..quant.modules import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from ..quant import river_int4
 from ..quant.river_int4 import RiverInt4Linear
+from .cache import GrowingLayer
 from .fused_layer import ExitLayerFamily, FusedExitLayer, register_family
 
 __all__ = ["LlamaFamily", "FusedLlamaLayer", "LLAMA_FAMILY", "step_tables"]
@@ -313,7 +315,9 @@ class FusedLlamaLayer(FusedExitLayer):
         as :meth:`_int4_forward` computes it for one query token with River's own attention, and each
         layer's KV-cache slot updated as ``cache.update`` would (``compat.dynamic_slots``: transformers'
         ``DynamicLayer``, the layer's ``keys`` / ``values`` assigned the concatenated tensors), so the
-        same numbers and the same cache; what goes is ~40-60 µs of Python and argument passing a layer.
+        same numbers and the same cache (on River's :class:`~river_hf.river.cache.GrowingLayer` slots the
+        new position is written into the slot's room instead: the same values, no copy of the slot);
+        what goes is ~40-60 µs of Python and argument passing a layer.
         Every layer must be a river-int4 ``FusedLlamaLayer`` of the same shape that serves the call
         (:meth:`serves`, no hook on it), with one attention implementation and layer type, and the
         ``hidden_states`` ``[batch, 1, hidden]`` fp32 with a mask :func:`_one_token_mask` takes."""
@@ -338,27 +342,37 @@ class FusedLlamaLayer(FusedExitLayer):
                     or _pass_attn_implementation(layer.attn_config) not in _ATTENTION
                     or (types is not None and types[layer.layer_index] != types[self.layer_index])):
                 return None
+        growing = False
         if cache is None:
             slots, length = None, 1
         else:
-            slots = dynamic_slots(cache, [layer.layer_index for layer in layers])
+            slots = dynamic_slots(cache, [layer.layer_index for layer in layers], (GrowingLayer,))
             if slots is None:
                 return None
             length = slots[0].keys.shape[-2] + 1
             if any(slot.keys.shape[-2] + 1 != length or slot.keys.dtype != torch.float32 for slot in slots):
                 return None
+            growing = all(type(slot) is GrowingLayer for slot in slots)
         if not _one_token_mask(attention_mask, batch, length):
             return None
         args = self._stack_args(layers)
-        past_keys = [slot.keys for slot in slots] if slots else []
-        past_values = [slot.values for slot in slots] if slots else []
+        if not slots:
+            past_keys, past_values = [], []
+        elif growing:  # the new position is written into each slot's room (river.cache.GrowingLayer)
+            rooms = [slot.make_room(1) for slot in slots]
+            past_keys, past_values = [r[0] for r in rooms], [r[1] for r in rooms]
+        else:
+            past_keys, past_values = [slot.keys for slot in slots], [slot.values for slot in slots]
         out = river_int4.extension().exit_stack(hidden_states.reshape(batch, hidden), *args, cos4, sin4, past_keys,
-                                                past_values, attention_mask, self.heads, self.kv_heads, self.head_dim,
-                                                self.scaling)
+                                                past_values, length - 1 if growing else -1, attention_mask,
+                                                self.heads, self.kv_heads, self.head_dim, self.scaling)
         if slots:
             n = len(layers)
             for slot, keys, values in zip(slots, out[1:1 + n], out[1 + n:]):
-                slot.keys, slot.values = keys, values
+                if growing:
+                    slot.grown(keys, values)
+                else:
+                    slot.keys, slot.values = keys, values
         return out[0].view(batch, 1, hidden)
 
     def _stack_args(self, layers) -> tuple:

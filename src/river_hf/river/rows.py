@@ -9,8 +9,8 @@ rows to the full slot and returns only those rows' keys and values. :func:`take_
 layer's other arguments (4-D attention mask, rotary ``(cos, sin)``, position ids) to the rows.
 
 Only caches whose slots append by concatenation can be split by rows (:func:`splittable`:
-transformers' ``DynamicCache`` / River's ``RiverCache`` with ``DynamicLayer`` and
-``DynamicSlidingWindowLayer`` slots, not offloaded); with another cache (static, quantized,
+transformers' ``DynamicCache`` / River's ``RiverCache`` with ``DynamicLayer``,
+``DynamicSlidingWindowLayer`` and River's ``GrowingLayer`` slots, not offloaded); with another cache (static, quantized,
 offloaded) a batch leaves the backbone when all its rows do, as one decision.
 """
 
@@ -20,15 +20,17 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from .cache import GrowingLayer
+
 __all__ = ["splittable", "RowsCache", "take_rows", "rows_kwargs", "position_ids"]
 
-_SPLITTABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+_SPLITTABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer)
 
 
 def splittable(cache) -> bool:
     """Whether a forward pass with ``cache`` may run different rows through different paths: no
     cache, or a (not offloaded) ``DynamicCache`` whose slots are ``DynamicLayer`` /
-    ``DynamicSlidingWindowLayer`` exactly (they keep the new positions last and return views of
+    ``DynamicSlidingWindowLayer`` / ``GrowingLayer`` exactly (they keep the new positions last and return views of
     what they store, which :class:`RowsCache` relies on)."""
     if cache is None:
         return True

@@ -590,12 +590,35 @@ torch::Tensor attention_out(torch::Tensor query, torch::Tensor keys, torch::Tens
 // gate|up and down (packed[4 i + j], ...), the two norms' weights and eps (norms[2 i + j], ...);
 // past_keys / past_values: one [batch, kv, L - 1, d] float per layer, or empty lists (no cache); mask as
 // attend_one_token -> {out [batch, hidden], keys of each layer..., values of each layer...}.
+// src [batch, kv, 1, d] -> position ``pos`` of buf [batch, kv, capacity > pos, d] (both float, rows of d
+// contiguous): one decode step's K or V written into a growing cache slot's room (river/cache.py).
+void write_position(const torch::Tensor& buf, const torch::Tensor& src, int64_t pos) {
+  TORCH_CHECK(buf.dim() == 4 && src.dim() == 4 && buf.size(0) == src.size(0) && buf.size(1) == src.size(1) &&
+                  buf.size(3) == src.size(3) && src.size(2) == 1 && pos >= 0 && pos < buf.size(2) &&
+                  buf.scalar_type() == torch::kFloat && src.scalar_type() == torch::kFloat && buf.stride(3) == 1 &&
+                  src.stride(3) == 1,
+              "river_int4 exit_stack: a growing slot's buffer must be float [batch, kv, capacity > length, d]");
+  float* bp = buf.data_ptr<float>();
+  const float* sp = src.data_ptr<float>();
+  const int64_t d = buf.size(3);
+  for (int64_t b = 0; b < buf.size(0); ++b)
+    for (int64_t h = 0; h < buf.size(1); ++h)
+      std::memcpy(bp + b * buf.stride(0) + h * buf.stride(1) + pos * buf.stride(2),
+                  sp + b * src.stride(0) + h * src.stride(1), d * sizeof(float));
+}
+
+// past_keys / past_values: none (no cache); with ``length`` -1, each layer's past K/V, the new position
+// concatenated to them (as transformers' DynamicLayer.update does); with ``length`` >= 0, each layer's growing
+// buffers (river/cache.py) whose first ``length`` positions are the past: the new position is written at
+// ``length`` and the layer's K/V are the buffers' first length + 1 positions (views). The same values either
+// way. Returns [x, keys..., values...].
 std::vector<torch::Tensor> exit_stack(torch::Tensor x, std::vector<torch::Tensor> packed,
                                       std::vector<c10::optional<torch::Tensor>> bias, std::vector<int64_t> group,
                                       std::vector<torch::Tensor> norms, std::vector<double> eps, torch::Tensor cos4,
                                       torch::Tensor sin4, std::vector<torch::Tensor> past_keys,
-                                      std::vector<torch::Tensor> past_values, c10::optional<torch::Tensor> mask,
-                                      int64_t heads, int64_t kv, int64_t d, double scale) {
+                                      std::vector<torch::Tensor> past_values, int64_t length,
+                                      c10::optional<torch::Tensor> mask, int64_t heads, int64_t kv, int64_t d,
+                                      double scale) {
   const int64_t layers = static_cast<int64_t>(norms.size()) / 2, batch = x.size(0);
   TORCH_CHECK(layers > 0 && packed.size() == 4 * layers && bias.size() == 4 * layers && group.size() == 4 * layers &&
                   norms.size() == 2 * layers && eps.size() == 2 * layers &&
@@ -605,8 +628,18 @@ std::vector<torch::Tensor> exit_stack(torch::Tensor x, std::vector<torch::Tensor
   for (int64_t i = 0; i < layers; ++i) {
     auto qkv = attention_in(x, packed[4 * i], bias[4 * i], group[4 * i], norms[2 * i], eps[2 * i], cos4, sin4, batch,
                             1, heads, kv, d);
-    keys[i] = past_keys.empty() ? qkv[1] : at::cat({past_keys[i], qkv[1]}, 2);
-    values[i] = past_keys.empty() ? qkv[2] : at::cat({past_values[i], qkv[2]}, 2);
+    if (past_keys.empty()) {
+      keys[i] = qkv[1];
+      values[i] = qkv[2];
+    } else if (length < 0) {
+      keys[i] = at::cat({past_keys[i], qkv[1]}, 2);
+      values[i] = at::cat({past_values[i], qkv[2]}, 2);
+    } else {
+      write_position(past_keys[i], qkv[1], length);
+      write_position(past_values[i], qkv[2], length);
+      keys[i] = past_keys[i].narrow(2, 0, length + 1);
+      values[i] = past_values[i].narrow(2, 0, length + 1);
+    }
     auto attn = attend_one_token(qkv[0], keys[i], values[i], mask, scale);
     x = layer_tail(attn, x, packed[4 * i + 1], bias[4 * i + 1], group[4 * i + 1], packed[4 * i + 2], bias[4 * i + 2],
                    group[4 * i + 2], norms[2 * i + 1], eps[2 * i + 1], packed[4 * i + 3], bias[4 * i + 3],
