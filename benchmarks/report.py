@@ -9,7 +9,8 @@ protocol is its own, see its docstring) on held-out HumanEval prompts, writes
 ``docs/results/<machine-label>/README.md`` (every table, with its command) and the README's
 headline block between ``<!-- headline:start -->`` and ``<!-- headline:end -->``. A figure that
 was wrong is fixed by rerunning this, never by hand. ``--render-only`` rebuilds the two Markdown
-files from the JSON already there (no benchmark runs).
+files from the JSON already there (no benchmark runs); with ``--batches ''`` the folder's README
+lists only its other results (a machine without the standard runs).
 
 Run it alone on the machine: a second job on 2 cores makes every timing meaningless (the
 benchmark warns when the load average says so, and the tables print the load it saw).
@@ -149,18 +150,21 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="humaneval:100-107", help="held-out prompts (no default was tuned on them)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batches", default="1,4,8", help="comma list of batch sizes (default: %(default)s)")
+    ap.add_argument("--batches", default="1,4,8", help="comma list of batch sizes (default: %(default)s; '' with "
+                                                       "--render-only: none, the folder's other results only)")
     ap.add_argument("--readme", default=str(ROOT / "README.md"), help="README whose headline block is rewritten ('' : none)")
     ap.add_argument("--render-only", action="store_true", help="rebuild the Markdown from the JSON already written")
     args = ap.parse_args(argv)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.machine_label):
         ap.error("--machine-label: letters, digits, '.', '_' and '-' only")
     try:
-        args.batches = sorted({int(b) for b in args.batches.split(",")})
+        args.batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
     except ValueError:
         ap.error(f"--batches: a comma list of integers, got {args.batches!r}")
-    if not args.batches or args.batches[0] < 1:
+    if args.batches and args.batches[0] < 1:
         ap.error("--batches: sizes must be >= 1")
+    if not args.batches and not args.render_only:
+        ap.error("--batches: at least one batch size to run (none only with --render-only)")
     folder = ROOT / "docs" / "results" / args.machine_label
     folder.mkdir(parents=True, exist_ok=True)
     if not args.render_only:

@@ -160,8 +160,9 @@ def test_batch_runs_left_padded_batches_with_every_rows_tokens(tiny_folder, tmp_
 
 def test_kv_growth_probe_times_both_caches_with_the_same_tokens(tiny_folder, tmp_path):
     """benchmarks/probes/kv_growth.py: per mode and length, River's growing slots and transformers'
-    DynamicCache are timed in alternating rounds on the same model, their tokens equal; a bad
-    --new-tokens or --modes is an argparse error with nothing written."""
+    DynamicCache are timed in alternating rounds on the same model, their tokens equal; --plot-only
+    redraws the PNG; a bad --new-tokens or --modes, or --plot-only without a report, is an argparse
+    error with nothing written."""
     import json
 
     import pytest
@@ -173,7 +174,31 @@ def test_kv_growth_probe_times_both_caches_with_the_same_tokens(tiny_folder, tmp
     report = json.loads(out.read_text())
     assert report["same_tokens"] == {"exit 3": True, "exit 5": True, "lossless 3": True, "lossless 5": True}
     assert len(report["rows"]) == 8 and (tmp_path / "kv.png").exists()
-    for argv in (["--new-tokens", "1"], ["--modes", "plain"]):
+    (tmp_path / "kv.png").unlink()
+    assert bench.main(["--plot-only", "--out", str(out)]) == 0 and (tmp_path / "kv.png").exists()
+    for argv in (["--new-tokens", "1"], ["--modes", "plain"], ["--plot-only"]):
         with pytest.raises(SystemExit) as e:
             bench.main([*argv, "--out", str(tmp_path / "bad.json")])
         assert e.value.code == 2 and not (tmp_path / "bad.json").exists()
+
+
+def test_report_renders_a_folder_of_other_results_only(tmp_path, monkeypatch):
+    """``report.py --render-only --batches ''``: a machine folder without the standard held-out runs gets
+    a README listing each JSON with its command and the Markdown table beside it; no batch sizes
+    without --render-only is an argparse error."""
+    import json
+
+    import pytest
+
+    report = load_benchmark("report")
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    folder = tmp_path / "docs" / "results" / "m1"
+    folder.mkdir(parents=True)
+    (folder / "a.json").write_text(json.dumps({"command": "python benchmarks/x.py --out a.json"}))
+    (folder / "a.md").write_text("`python benchmarks/x.py --out a.json`\n\n| t |\n|---|\n| 1 |\n")
+    assert report.main(["--machine-label", "m1", "--render-only", "--batches", "", "--readme", ""]) == 0
+    text = (folder / "README.md").read_text()
+    assert text.startswith("# Results on m1") and "### a.json" in text and "| 1 |" in text
+    with pytest.raises(SystemExit) as e:
+        report.main(["--machine-label", "m1", "--batches", ""])
+    assert e.value.code == 2

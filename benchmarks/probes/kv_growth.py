@@ -10,7 +10,7 @@ greedily to exactly that many tokens (EOS suppressed by index) with each cache, 
 ``river_hf.timing.compare``: one untimed warm-up each, ``--repeats`` alternating rounds, decode tokens/s
 median and min-max, the grow/concatenate ratio per round (``speedup``: "not resolved" when its
 min-max holds 1.0). The two caches' tokens are compared (they must be equal: the same values).
-JSON + PNG (decode speedup of the growing slots per mode and length).
+JSON + PNG (decode speedup of the growing slots per mode and length; ``--plot-only`` redraws it).
 
     python benchmarks/probes/kv_growth.py --model qwen2.5-coder-0.5b --modes exit,river --new-tokens 96,1024 \\
         --out docs/results/kv_growth_qwen2.5-coder-0.5b.json
@@ -45,7 +45,20 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", default="96,1024", help="comma-separated decode lengths")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON at --out (no run)")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        import json
+
+        from river_hf.files import save_figure
+
+        try:
+            report = json.loads(open(args.out).read())
+            figure = _figure(report)
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--plot-only needs a kv_growth report at --out: {e}")
+        save_figure(figure, os.path.splitext(args.out)[0] + ".png")
+        return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
@@ -64,7 +77,6 @@ def main(argv=None) -> int:
     from river_hf.models import encode_prompt, resolve
     from river_hf.quant.autotune import load_average
     from river_hf.timing import compare, measure_generate
-    from river_hf.timing_report import bar_figure
 
     problems = humaneval_problems()
     if not 0 <= args.problem < len(problems):
@@ -105,13 +117,21 @@ def main(argv=None) -> int:
         "rows": results, "same_tokens": tokens_equal, "load_avg_1m_after": load_average(),
     }
     write_json(args.out, report)
-    grown = [dict(r, label=f"{r['mode']}, {r['new_tokens']} tokens") for r in results if r["label"].startswith("grow")]
-    save_figure(bar_figure(grown, f"{args.model}: KV slots grown in place vs concatenated (decode, per round)"),
-                os.path.splitext(args.out)[0] + ".png")
+    save_figure(_figure(report), os.path.splitext(args.out)[0] + ".png")
     if not all(tokens_equal.values()):
         print(f"the two caches gave different tokens: {tokens_equal}", file=sys.stderr)
         return 1
     return 0
+
+
+def _figure(report: dict):
+    """The grown slots' decode speedup over the concatenated ones, per mode and length (median, min-max)."""
+    from river_hf.timing_report import bar_figure
+
+    grown = [dict(r, label=f"{r['mode']}, {r['new_tokens']} tokens") for r in report["rows"]
+             if r["label"].startswith("grow")]
+    return bar_figure(grown, f"{report['model']}: KV slots grown in place vs concatenated",
+                      ylabel="decode tok/s, RiverCache / DynamicCache\n(median, min-max over rounds)")
 
 
 if __name__ == "__main__":
