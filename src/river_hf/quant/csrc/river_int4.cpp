@@ -582,14 +582,6 @@ torch::Tensor attention_out(torch::Tensor query, torch::Tensor keys, torch::Tens
                     down_bias, down_group);
 }
 
-// The exit layers of one decode step after the exit, in one call: for each layer i, attention_in, the KV
-// cache slot's update as transformers' DynamicLayer.update does it (keys = cat([past, new], -2), values
-// likewise; no past: the new K/V as they are), River's one-token attention over the slot and layer_tail,
-// the same functions attention_in / attention_out compute (so the same numbers as the per-layer calls).
-// x [batch, hidden] float (one token per row); per layer, in order: packed / bias / group of q|k|v, o,
-// gate|up and down (packed[4 i + j], ...), the two norms' weights and eps (norms[2 i + j], ...);
-// past_keys / past_values: one [batch, kv, L - 1, d] float per layer, or empty lists (no cache); mask as
-// attend_one_token -> {out [batch, hidden], keys of each layer..., values of each layer...}.
 // src [batch, kv, 1, d] -> position ``pos`` of buf [batch, kv, capacity > pos, d] (both float, rows of d
 // contiguous): one decode step's K or V written into a growing cache slot's room (river/cache.py).
 void write_position(const torch::Tensor& buf, const torch::Tensor& src, int64_t pos) {
@@ -607,11 +599,16 @@ void write_position(const torch::Tensor& buf, const torch::Tensor& src, int64_t 
                   sp + b * src.stride(0) + h * src.stride(1), d * sizeof(float));
 }
 
+// The exit layers of one decode step after the exit, in one call: for each layer i, attention_in, the KV
+// cache slot's update, River's one-token attention over the slot and layer_tail,
+// the same functions attention_in / attention_out compute (so the same numbers as the per-layer calls).
+// x [batch, hidden] float (one token per row); per layer, in order: packed / bias / group of q|k|v, o,
+// gate|up and down (packed[4 i + j], ...), the two norms' weights and eps (norms[2 i + j], ...);
 // past_keys / past_values: none (no cache); with ``length`` -1, each layer's past K/V, the new position
 // concatenated to them (as transformers' DynamicLayer.update does); with ``length`` >= 0, each layer's growing
 // buffers (river/cache.py) whose first ``length`` positions are the past: the new position is written at
 // ``length`` and the layer's K/V are the buffers' first length + 1 positions (views). The same values either
-// way. Returns [x, keys..., values...].
+// way. mask as attend_one_token. Returns {out [batch, hidden], keys of each layer..., values of each layer...}.
 std::vector<torch::Tensor> exit_stack(torch::Tensor x, std::vector<torch::Tensor> packed,
                                       std::vector<c10::optional<torch::Tensor>> bias, std::vector<int64_t> group,
                                       std::vector<torch::Tensor> norms, std::vector<double> eps, torch::Tensor cos4,
