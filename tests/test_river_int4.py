@@ -158,6 +158,35 @@ def test_its_norm_silu_and_residual_arguments_are_the_separate_ops(kernel):
         assert close(mm(gu, w, 1e-5, True, residual) - residual, both - residual)
 
 
+@pytest.mark.parametrize("batch,tokens,table_rows", [(1, 1, 1), (2, 1, 2), (3, 5, 1), (2, 4, 2)])
+def test_its_rotary_is_the_architectures_on_the_models_own_tables(kernel, batch, tokens, table_rows):
+    """attention_in takes the model's ``cos`` / ``sin`` (``[batch or 1, tokens, head_dim]``, as its
+    rotary module returns them) and gives transformers' ``apply_rotary_pos_emb`` of its own q/k
+    product, bit for bit: ``q * cos + rotate_half(q) * sin`` (the first half's ``-x * sin`` as a
+    subtraction, the same float); V is the product's slice, untouched."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    heads, kv, d, hidden = 4, 2, 16, 64
+    torch.manual_seed(1)
+    q = kernel.build(nn.Linear(hidden, (heads + 2 * kv) * d))
+    ext = river_int4.extension()
+    x, w = torch.randn(batch * tokens, hidden), torch.rand(hidden) + 0.5
+    angles = torch.rand(table_rows, tokens, d // 2) * 40
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    with torch.no_grad():
+        query, keys, values = ext.attention_in(x, q.packed, q.bias, q.group_size, w, 1e-6, cos, sin, batch, tokens,
+                                               heads, kv, d)
+        y = ext.mm(x, q.packed, q.bias, q.group_size, w, 1e-6, False, None)
+    qkv = y.view(batch, tokens, heads + 2 * kv, d).transpose(1, 2)
+    want_q, want_k = apply_rotary_pos_emb(qkv[:, :heads], qkv[:, heads:heads + kv], cos, sin)
+    assert torch.equal(query, want_q) and torch.equal(keys, want_k)
+    assert torch.equal(values, qkv[:, heads + kv:])
+    with pytest.raises(RuntimeError, match=r"cos / sin must be float \[batch or 1, tokens, head_dim\]"):
+        ext.attention_in(x, q.packed, q.bias, q.group_size, w, 1e-6, cos.unsqueeze(1), sin.unsqueeze(1), batch,
+                         tokens, heads, kv, d)
+
+
 @pytest.mark.parametrize("heads,kv,d,length,batch,mask", [
     (14, 2, 64, 200, 1, None), (12, 2, 128, 37, 1, None), (4, 2, 32, 9, 2, "bool"), (4, 4, 16, 13, 3, "float"),
     (14, 2, 64, 5, 2, "bool"), (8, 1, 64, 300, 2, "float"), (2, 2, 8, 1, 1, None), (4, 2, 32, 9, 3, "bool1")])
@@ -429,8 +458,8 @@ def test_the_exit_stack_steps_aside_for_a_hook_and_for_a_cache_it_does_not_updat
 
 def test_the_exit_stack_reads_the_live_layers_their_hooks_and_their_current_weights(kernel, tiny_llama, monkeypatch):
     """The stack is made from what the model holds at each step, not from what the build saw: a hook
-    on a later exit layer (the fused layer's own check) and a decoder layer swapped into the model's
-    list both make every exit layer run by itself; weights put in place after a stacked step (a new
+    on a later exit layer (the fused layer's own check), a later exit layer's C++ calls switched off
+    and a decoder layer swapped into the model's list each make every exit layer run by itself; weights put in place after a stacked step (a new
     ``packed`` buffer, as ``.to`` puts one) are the ones the next stacked step reads."""
     from river_hf import enable_river
     from river_hf.river.layer import RiverLayer
@@ -449,6 +478,14 @@ def test_the_exit_stack_reads_the_live_layers_their_hooks_and_their_current_weig
     finally:
         handle.remove()
     assert "exit_stack" not in calls and torch.equal(seq, seq_ref) and torch.equal(seq, seq0)
+
+    layers[2].exit_layer.int4_calls = False  # its products from Python: it cannot join the call
+    try:
+        (seq, _, _, calls), (seq_ref, _, _, _) = _stacked_and_layer_by_layer(river, monkeypatch, "exit",
+                                                                            input_ids=ids, max_new_tokens=4)
+    finally:
+        layers[2].exit_layer.int4_calls = True
+    assert "exit_stack" not in calls and torch.equal(seq, seq_ref)
 
     # layer 1's down product takes layer 2's packed weights (same shape): a new buffer object
     down1, down2 = layers[1].exit_layer.kernels["down"][0], layers[2].exit_layer.kernels["down"][0]

@@ -43,10 +43,10 @@ functions in another float rounding order, so this path is not bit for bit the a
 numbers (the build check bounds it; :mod:`.fused_layer`); more query tokens go to SDPA on the inputs
 transformers gives it, as in the Python path. On a decode step after the exit, the
 :class:`~river_hf.river.layer.RiverLayer` of the first exit layer hands it the exit layers after it
-(``river_stack``), and where all of them can (:meth:`FusedLlamaLayer._stack_forward`) they run in one
-call, ``exit_stack``: the same functions per layer, each cache slot updated as transformers'
-``DynamicLayer.update`` does it (:func:`~river_hf.compat.dynamic_slots`), or, on River's own
-:class:`~river_hf.river.cache.GrowingLayer` slots, each new position written into the slot's room.
+(``river_stack``), and where all of them can they run in one call, ``exit_stack`` (:mod:`.exit_stack`):
+the same functions per layer, each cache slot updated as transformers' ``DynamicLayer.update`` does
+it, or, on River's own :class:`~river_hf.river.cache.GrowingLayer` slots, each new position written
+into the slot's room.
 
 The attention implementations served are ``sdpa`` and ``eager`` (their masks are tensors SDPA
 takes as they are; eager with no mask attends to every key, as eager does); another one
@@ -61,12 +61,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compat import attn_implementation, dynamic_slots, sdpa_gqa
+from ..compat import attn_implementation, sdpa_gqa
 from ..quant.fused import FUSED_NAMES, GROUPS
 from ..quant.modules import CastLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from ..quant import river_int4
 from ..quant.river_int4 import RiverInt4Linear
-from .cache import GrowingLayer
+from .exit_stack import one_token_mask, stack_forward
 from .fused_layer import ExitLayerFamily, FusedExitLayer, register_family
 
 __all__ = ["LlamaFamily", "FusedLlamaLayer", "LLAMA_FAMILY", "step_tables"]
@@ -98,23 +98,32 @@ def _version(t: torch.Tensor):
     return None if t.is_inference() else t._version  # inference tensors have no version counter
 
 
+def _begin_pass(cos: torch.Tensor, sin: torch.Tensor) -> _StepTables:
+    """This thread's tables, started anew when ``cos`` / ``sin`` are not the tensors (identity and
+    version) of the pass they were made in: the model computes ``position_embeddings`` once per
+    forward pass, so new tensors mean a new pass. Starting one drops the signed tables and the
+    attention implementations read in the last pass (a few µs of Python; no tensor op)."""
+    local = _TABLES
+    key = local.key
+    if key is None or key[0] is not cos or key[1] is not sin or key[2] != _version(cos) or key[3] != _version(sin):
+        local.key, local.tables, local.impls = (cos, sin, _version(cos), _version(sin)), None, {}
+    return local
+
+
 def step_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos4, sin4)``: ``cos`` ``[batch, tokens, head_dim]`` as ``[batch, 1, tokens, head_dim]``, and
     ``sin`` likewise with its first half negated, so ``x * cos4 + roll(x, head_dim / 2) * sin4``
-    is ``x * cos + rotate_half(x) * sin``. Made once while the same tensors come back (this
-    thread's last pass: the model computes ``position_embeddings`` once per forward pass)."""
-    local = _TABLES
-    key = local.key
-    if key is not None and key[0] is cos and key[1] is sin and key[2] == _version(cos) and key[3] == _version(sin):
-        return local.tables
-    half = sin.shape[-1] // 2
-    tables = (cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1))
-    local.key, local.tables, local.impls = (cos, sin, _version(cos), _version(sin)), tables, {}
-    return tables
+    is ``x * cos + rotate_half(x) * sin``. Made once per forward pass (:func:`_begin_pass`), for the
+    Python path only: river-int4's C++ calls take ``cos`` / ``sin`` as they come."""
+    local = _begin_pass(cos, sin)
+    if local.tables is None:
+        half = sin.shape[-1] // 2
+        local.tables = (cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1))
+    return local.tables
 
 
 def _pass_attn_implementation(config) -> str:
-    """``config``'s attention implementation, read once per forward pass (:func:`step_tables` starts
+    """``config``'s attention implementation, read once per forward pass (:func:`_begin_pass` starts
     a pass's set; a transformers config's attribute read costs ~15 µs, once per layer otherwise)."""
     impls = _TABLES.impls
     impl = impls.get(id(config))
@@ -123,28 +132,12 @@ def _pass_attn_implementation(config) -> str:
     return impl[1]
 
 
-def _one_token_mask(mask, batch: int, length: int) -> bool:
-    """Whether river-int4's one-token attention takes ``mask`` as it is: none, or float (added) or bool
-    (true: attended) ``[batch or 1, 1, 1, length]``; any other form goes to SDPA."""
-    return mask is None or (mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[1] == 1
-                            and mask.shape[2] == 1 and mask.shape[3] == length
-                            and mask.dtype in (torch.float32, torch.bool))
-
-
 def _feed_dtype(kernel: nn.Module) -> torch.dtype | None:
     """The dtype to hand ``kernel`` inside an fp32 model (its compute dtype, when it is one of
     :data:`_CASTING_KERNELS` and narrower than fp32), else None (it gets the model's dtype)."""
     if isinstance(kernel, _CASTING_KERNELS) and kernel.compute_dtype in (torch.bfloat16, torch.float16):
         return kernel.compute_dtype
     return None
-
-
-def _holder(module: nn.Module, name: str) -> dict:
-    """The dict that holds ``module``'s attribute ``name``: its parameters, its buffers or its own."""
-    for d in (module._parameters, module._buffers):
-        if name in d:
-            return d
-    return module.__dict__
 
 
 class FusedLlamaLayer(FusedExitLayer):
@@ -222,7 +215,8 @@ class FusedLlamaLayer(FusedExitLayer):
         if cache is None:
             cache = past
         if position_embeddings is not None:
-            cos4, sin4 = step_tables(*position_embeddings)
+            cos, sin = position_embeddings
+            _begin_pass(cos, sin)
             impl = _pass_attn_implementation(self.attn_config)
         if (position_embeddings is None or impl not in _ATTENTION or not self.serves()
                 or position_embeddings[0].shape[-1] != self.head_dim
@@ -233,10 +227,11 @@ class FusedLlamaLayer(FusedExitLayer):
         batch, tokens, _ = hidden_states.shape
         d, heads, kv = self.head_dim, self.heads, self.kv_heads
         dtype = hidden_states.dtype
-        if (self.int4_calls and dtype == torch.float32 and cos4.dtype == torch.float32
-                and cos4.shape[0] in (1, batch) and cos4.shape[2] == tokens):
-            return self._int4_forward(hidden_states, cache, attention_mask, position_ids, use_cache, cos4, sin4,
+        if (self.int4_calls and dtype == torch.float32 and cos.dtype == torch.float32 and cos.dim() == 3
+                and cos.shape[0] in (1, batch) and cos.shape[1] == tokens):
+            return self._int4_forward(hidden_states, cache, attention_mask, position_ids, use_cache, cos, sin,
                                       impl, kwargs)
+        cos4, sin4 = step_tables(cos, sin)
         qkv = self._product("qkv", self._norm(0, hidden_states))
 
         # attention: one product, rotary on q and k at once, K/V into the shared cache slot
@@ -280,13 +275,13 @@ class FusedLlamaLayer(FusedExitLayer):
             keys, values = keys[:, :, :tokens], values[:, :, :tokens]
         return query, keys, values, mask, causal, gqa
 
-    def _int4_forward(self, hidden_states, cache, attention_mask, position_ids, use_cache, cos4, sin4, impl, kwargs):
+    def _int4_forward(self, hidden_states, cache, attention_mask, position_ids, use_cache, cos, sin, impl, kwargs):
         """The layer in two C++ calls of river-int4's extension around the cache's own ``update``
         (every product one :class:`~river_hf.quant.river_int4.RiverInt4Linear`, fp32): the input
         norm, the q/k/v product and rotary; then attention, ``h = x + o(attn)``, the gate/up product
         of ``norm(h)`` and ``h + down(silu(gate) * up)``. Rotary and the residual adds do the Python
         path's multiplies and adds in its order; the norms, silu and one-token attention (a mask
-        none or ``[batch or 1, 1, 1, keys]``, :func:`_one_token_mask`) are River's own loops, the same
+        none or ``[batch or 1, 1, 1, keys]``, :func:`.exit_stack.one_token_mask`) are River's own loops, the same
         functions up to float rounding order; attention over more tokens is SDPA."""
         batch, tokens, hidden = hidden_states.shape
         ext = river_int4.extension()
@@ -294,12 +289,12 @@ class FusedLlamaLayer(FusedExitLayer):
         qkv, o, gu, down = (self.kernels[k][0] for k in ("qkv", "o", "gu", "down"))
         norm1, norm2 = self.norms
         query, keys, values = ext.attention_in(rows, qkv.packed, qkv.bias, qkv.group_size, norm1.weight,
-                                               norm1.variance_epsilon, cos4, sin4, batch, tokens, self.heads,
+                                               norm1.variance_epsilon, cos, sin, batch, tokens, self.heads,
                                                self.kv_heads, self.head_dim)
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_index,
                                         kwargs={"position_ids": position_ids, "use_cache": use_cache, **kwargs})
-        one = tokens == 1 and self.head_dim % 8 == 0 and _one_token_mask(attention_mask, batch, keys.shape[2])
+        one = tokens == 1 and self.head_dim % 8 == 0 and one_token_mask(attention_mask, batch, keys.shape[2])
         if one:  # River's own attention reads the cache slot and the mask as they are
             mask, causal, gqa = attention_mask, False, False
         else:
@@ -311,97 +306,13 @@ class FusedLlamaLayer(FusedExitLayer):
 
     def _stack_forward(self, following, hidden_states, attention_mask, cache, position_embeddings, kwargs):
         """This layer and the exit layers ``following`` it (a decode step after the exit) in one call of
-        river-int4's extension (``exit_stack``), or None when that call cannot serve them: each layer
-        as :meth:`_int4_forward` computes it for one query token with River's own attention, and each
-        layer's KV-cache slot updated as ``cache.update`` would (``compat.dynamic_slots``: transformers'
-        ``DynamicLayer``, the layer's ``keys`` / ``values`` assigned the concatenated tensors), so the
-        same numbers and the same cache (on River's :class:`~river_hf.river.cache.GrowingLayer` slots the
-        new position is written into the slot's room instead: the same values, no copy of the slot);
-        what goes is ~40-60 µs of Python and argument passing a layer.
-        Every layer must be a river-int4 ``FusedLlamaLayer`` of the same shape that serves the call
-        (:meth:`serves`, no hook on it), with one attention implementation and layer type, and the
-        ``hidden_states`` ``[batch, 1, hidden]`` fp32 with a mask :func:`_one_token_mask` takes."""
+        river-int4's extension, or None when that call cannot serve them (:func:`.exit_stack.stack_forward`:
+        the same numbers and the same KV cache as layer by layer)."""
+        if not self.stacks:
+            return None
         if cache is None:
             cache = kwargs.get("past_key_values")
-        batch, tokens, hidden = hidden_states.shape
-        if (not self.stacks or position_embeddings is None or tokens != 1 or not self.int4_calls
-                or hidden_states.dtype != torch.float32 or self.head_dim % 8
-                or (attention_mask is not None and not isinstance(attention_mask, torch.Tensor))):
-            return None
-        cos4, sin4 = step_tables(*position_embeddings)
-        if cos4.dtype != torch.float32 or cos4.shape[0] not in (1, batch) or cos4.shape[2] != 1 or \
-                cos4.shape[3] != self.head_dim:
-            return None
-        layers = (self, *following)
-        shape = (self.head_dim, self.heads, self.kv_heads, self.scaling, self.hidden)
-        types = getattr(self.attn_config, "layer_types", None)
-        for layer in layers:
-            if (type(layer) is not FusedLlamaLayer or not layer.int4_calls or layer._forward_hooks
-                    or layer._forward_pre_hooks or not layer.serves()
-                    or (layer.head_dim, layer.heads, layer.kv_heads, layer.scaling, layer.hidden) != shape
-                    or _pass_attn_implementation(layer.attn_config) not in _ATTENTION
-                    or (types is not None and types[layer.layer_index] != types[self.layer_index])):
-                return None
-        growing = False
-        if cache is None:
-            slots, length = None, 1
-        else:
-            slots = dynamic_slots(cache, [layer.layer_index for layer in layers], (GrowingLayer,))
-            if slots is None:
-                return None
-            length = slots[0].keys.shape[-2] + 1
-            if any(slot.keys.shape[-2] + 1 != length or slot.keys.dtype != torch.float32 for slot in slots):
-                return None
-            growing = all(type(slot) is GrowingLayer for slot in slots)
-        if not _one_token_mask(attention_mask, batch, length):
-            return None
-        args = self._stack_args(layers)
-        if not slots:
-            past_keys, past_values = [], []
-        elif growing:  # the new position is written into each slot's room (river.cache.GrowingLayer)
-            rooms = [slot.make_room(1) for slot in slots]
-            past_keys, past_values = [r[0] for r in rooms], [r[1] for r in rooms]
-        else:
-            past_keys, past_values = [slot.keys for slot in slots], [slot.values for slot in slots]
-        out = river_int4.extension().exit_stack(hidden_states.reshape(batch, hidden), *args, cos4, sin4, past_keys,
-                                                past_values, length - 1 if growing else -1, attention_mask,
-                                                self.heads, self.kv_heads, self.head_dim, self.scaling)
-        if slots:
-            n = len(layers)
-            for slot, keys, values in zip(slots, out[1:1 + n], out[1 + n:]):
-                if growing:
-                    slot.grown(keys, values)
-                else:
-                    slot.keys, slot.values = keys, values
-        return out[0].view(batch, 1, hidden)
-
-    def _stack_args(self, layers) -> tuple:
-        """``exit_stack``'s per-layer argument lists for ``layers`` (made once per tuple of layers):
-        packed weights, biases and group sizes of q|k|v, o, gate|up and down, the two norms' weights
-        and epsilons. Remade when any of those tensors is no longer the one the module holds: ``.to``
-        and the like put new buffers (``packed``, ``bias``) in place; a parameter keeps its object
-        unless one is assigned. The check reads the modules' own ``_buffers`` / ``_parameters``
-        dicts (``nn.Module.__getattr__`` costs ~0.3 µs a read)."""
-        key = tuple(map(id, layers))
-        memo = self.__dict__.setdefault("_stack_memo", {})
-        entry = memo.get(key)
-        if entry is not None and all(d[name] is t for d, name, t in entry[1]):
-            return entry[0]
-        packed, bias, group, norms, eps, held = [], [], [], [], [], []
-        for layer in layers:
-            for name in ("qkv", "o", "gu", "down"):
-                kernel = layer.kernels[name][0]
-                packed.append(kernel.packed)
-                bias.append(kernel.bias)
-                group.append(kernel.group_size)
-                held += [(_holder(kernel, "packed"), "packed", kernel.packed), (_holder(kernel, "bias"), "bias", kernel.bias)]
-            for norm in layer.norms:
-                norms.append(norm.weight)
-                eps.append(norm.variance_epsilon)
-                held.append((_holder(norm, "weight"), "weight", norm.weight))
-        args = (packed, bias, group, norms, eps)
-        memo[key] = (args, held)
-        return args
+        return stack_forward(self, following, hidden_states, attention_mask, cache, position_embeddings, _ATTENTION)
 
     def extra_repr(self) -> str:
         separate = [k for k, mods in self.kernels.items() if len(mods) > 1]

@@ -401,7 +401,7 @@ class RiverLayer(ReadsThroughToBackbone):
         if (not later or exit_layer._forward_hooks or exit_layer._forward_pre_hooks
                 or any(type(m) is not RiverLayer or m._forward_hooks or m._forward_pre_hooks for m in later)):
             return exit_layer(hidden_states, *args, **kwargs)
-        # the exit layers' own hooks are the fused layer's to check (FusedLlamaLayer._stack_forward)
+        # the exit layers' own hooks are the fused layer's to check (river.exit_stack.StackPlan.runs)
         following = tuple(layer._modules[self._EXIT] for layer in later)
         out, ran = exit_layer(hidden_states, *args, river_stack=following, **kwargs)
         local.stacked = self.river_layer_idx + ran

@@ -458,22 +458,23 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
 // compute the same functions up to float rounding order (the fused layer's build check bounds the result
 // against the architecture's exit copy); attention over more tokens is ATen's SDPA.
 
-// x [rows, hidden] float; cos4, sin4 [batch, 1, tokens, d] (sin4: first half negated, so
-// x * cos4 + roll(x, d / 2) * sin4 is rotate_half's rotary) -> query [batch, heads, tokens, d],
-// keys [batch, kv, tokens, d] (rotary applied), values [batch, kv, tokens, d] (views)
+// x [rows, hidden] float; cos, sin [batch or 1, tokens, d] float, the model's rotary tables as its rotary
+// module returns them -> query [batch, heads, tokens, d], keys [batch, kv, tokens, d] (rotary applied),
+// values [batch, kv, tokens, d] (views)
 std::vector<torch::Tensor> attention_in(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                                        int64_t group, torch::Tensor norm, double eps, torch::Tensor cos4,
-                                        torch::Tensor sin4, int64_t batch, int64_t tokens, int64_t heads, int64_t kv,
+                                        int64_t group, torch::Tensor norm, double eps, torch::Tensor cos,
+                                        torch::Tensor sin, int64_t batch, int64_t tokens, int64_t heads, int64_t kv,
                                         int64_t d) {
   const int64_t width = heads + 2 * kv, rot = heads + kv, half = d / 2;
-  TORCH_CHECK(d % 2 == 0 && cos4.scalar_type() == torch::kFloat && sin4.scalar_type() == torch::kFloat &&
-                  cos4.sizes() == sin4.sizes() && cos4.dim() == 4 && (cos4.size(0) == 1 || cos4.size(0) == batch) &&
-                  cos4.size(2) == tokens && cos4.size(3) == d,
-              "river_int4 attention_in: cos4 / sin4 must be float [batch or 1, 1, tokens, head_dim]");
+  TORCH_CHECK(d % 2 == 0 && cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
+                  cos.sizes() == sin.sizes() && cos.dim() == 3 && (cos.size(0) == 1 || cos.size(0) == batch) &&
+                  cos.size(1) == tokens && cos.size(2) == d,
+              "river_int4 attention_in: cos / sin must be float [batch or 1, tokens, head_dim]");
   auto y = mm(x, packed, bias, group, norm, eps, false, c10::nullopt);  // [batch * tokens, width * d]
-  auto c = cos4.contiguous(), s = sin4.contiguous();
-  // rotary: q * cos4 + roll(q, d / 2) * sin4, a multiply, a multiply and an add in fp32 (built with
-  // -ffp-contract=off, so not a fused multiply-add), as the Python ops compute it
+  auto c = cos.contiguous(), s = sin.contiguous();
+  // rotary: q * cos + rotate_half(q) * sin with rotate_half(q) = cat(-q[half:], q[:half]): a multiply, a
+  // multiply and an add in fp32 (built with -ffp-contract=off, so not a fused multiply-add), as the Python
+  // ops compute it; the first half's a + (-b) * s is written a - b * s, the same float (negation is exact)
   auto qk = torch::empty({batch, rot, tokens, d}, torch::kFloat);
   const float* yp = y.data_ptr<float>();
   const float* cp = c.data_ptr<float>();
@@ -487,7 +488,7 @@ std::vector<torch::Tensor> attention_in(torch::Tensor x, torch::Tensor packed, c
         const float* ct = cp + ((cb == 1 ? 0 : b) * tokens + t) * d;
         const float* st = sp + ((cb == 1 ? 0 : b) * tokens + t) * d;
         float* dst = qp + ((b * rot + j) * tokens + t) * d;
-        for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * ct[i] + src[i + half] * st[i];
+        for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * ct[i] - src[i + half] * st[i];
         for (int64_t i = half; i < d; ++i) dst[i] = src[i] * ct[i] + src[i - half] * st[i];
       }
   auto values = y.view({batch, tokens, width, d}).transpose(1, 2).narrow(1, rot, kv);
@@ -603,7 +604,8 @@ void write_position(const torch::Tensor& buf, const torch::Tensor& src, int64_t 
 // cache slot's update, River's one-token attention over the slot and layer_tail,
 // the same functions attention_in / attention_out compute (so the same numbers as the per-layer calls).
 // x [batch, hidden] float (one token per row); per layer, in order: packed / bias / group of q|k|v, o,
-// gate|up and down (packed[4 i + j], ...), the two norms' weights and eps (norms[2 i + j], ...);
+// gate|up and down (packed[4 i + j], ...), the two norms' weights and eps (norms[2 i + j], ...); cos / sin
+// [batch or 1, 1, d] as attention_in takes them;
 // past_keys / past_values: none (no cache); with ``length`` -1, each layer's past K/V, the new position
 // concatenated to them (as transformers' DynamicLayer.update does); with ``length`` >= 0, each layer's growing
 // buffers (river/cache.py) whose first ``length`` positions are the past: the new position is written at
@@ -611,8 +613,8 @@ void write_position(const torch::Tensor& buf, const torch::Tensor& src, int64_t 
 // way. mask as attend_one_token. Returns {out [batch, hidden], keys of each layer..., values of each layer...}.
 std::vector<torch::Tensor> exit_stack(torch::Tensor x, std::vector<torch::Tensor> packed,
                                       std::vector<c10::optional<torch::Tensor>> bias, std::vector<int64_t> group,
-                                      std::vector<torch::Tensor> norms, std::vector<double> eps, torch::Tensor cos4,
-                                      torch::Tensor sin4, std::vector<torch::Tensor> past_keys,
+                                      std::vector<torch::Tensor> norms, std::vector<double> eps, torch::Tensor cos,
+                                      torch::Tensor sin, std::vector<torch::Tensor> past_keys,
                                       std::vector<torch::Tensor> past_values, int64_t length,
                                       c10::optional<torch::Tensor> mask, int64_t heads, int64_t kv, int64_t d,
                                       double scale) {
@@ -623,7 +625,7 @@ std::vector<torch::Tensor> exit_stack(torch::Tensor x, std::vector<torch::Tensor
               "river_int4 exit_stack: 4 products, 2 norms and 0 or 1 past K/V per layer");
   std::vector<torch::Tensor> keys(layers), values(layers);
   for (int64_t i = 0; i < layers; ++i) {
-    auto qkv = attention_in(x, packed[4 * i], bias[4 * i], group[4 * i], norms[2 * i], eps[2 * i], cos4, sin4, batch,
+    auto qkv = attention_in(x, packed[4 * i], bias[4 * i], group[4 * i], norms[2 * i], eps[2 * i], cos, sin, batch,
                             1, heads, kv, d);
     if (past_keys.empty()) {
       keys[i] = qkv[1];
