@@ -22,13 +22,13 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
-DEFAULT_MODEL, DEFAULT_BATCHES = "qwen2.5-coder-0.5b", "1,4,8"
 #: What each method of heldout_speed is called on the front page.
 NAMES = {"unmodified": "plain transformers fp32", "unmodified-onednn": "plain fp32 on prepacked oneDNN",
          "unmodified-river-fp32": "plain fp32 on river-fp32 (1-8 rows)",
@@ -112,21 +112,6 @@ def other_results(folder: Path, done: set[Path]) -> list[str]:
     return ["## Other results in this folder", "", *lines] if lines else []
 
 
-def written_by(args) -> str:
-    """The report command that writes the folder's README, as it was called: ``--model`` and
-    ``--batches`` where they are not the defaults, and ``--render-only``. What shaped the runs
-    themselves (``--prompts``, ``--new-tokens``, ...) is in each table's own command."""
-    words = ["python benchmarks/report.py", "--machine-label", args.machine_label]
-    if args.model != DEFAULT_MODEL:
-        words += ["--model", args.model]
-    batches = ",".join(map(str, args.batches))
-    if batches != DEFAULT_BATCHES:
-        words += ["--batches", batches or "''"]
-    if args.render_only:
-        words.append("--render-only")
-    return " ".join(words)
-
-
 def render(args, folder: Path) -> None:
     reports = {}
     for batch in args.batches:
@@ -135,7 +120,7 @@ def render(args, folder: Path) -> None:
             raise SystemExit(f"report: {path} is missing: run without --render-only first")
         reports[batch] = json.loads(path.read_text())
     rel = os.path.relpath(folder, ROOT)
-    index = [f"# Results on {args.machine_label}", "", f"Written by `{written_by(args)}` (do not edit by hand: rerun it).",
+    index = [f"# Results on {args.machine_label}", "", f"Written by `{args.command}` (do not edit by hand: rerun it).",
              ""]
     for batch, rep in sorted(reports.items()):
         md = result_path(folder, args.model, batch).with_suffix(".md")
@@ -161,16 +146,17 @@ def render(args, folder: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--machine-label", required=True, help="a short name for this machine (folder name)")
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--methods", default="unmodified,unmodified-onednn,unmodified-river-fp32,river,exit,lossless,llama.cpp")
     ap.add_argument("--prompts", default="humaneval:100-107", help="held-out prompts (no default was tuned on them)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batches", default=DEFAULT_BATCHES, help="comma list of batch sizes (default: %(default)s; '' with "
+    ap.add_argument("--batches", default="1,4,8", help="comma list of batch sizes (default: %(default)s; '' with "
                                                        "--render-only: none, the folder's other results only)")
     ap.add_argument("--readme", default=str(ROOT / "README.md"), help="README whose headline block is rewritten ('' : none)")
     ap.add_argument("--render-only", action="store_true", help="rebuild the Markdown from the JSON already written")
     args = ap.parse_args(argv)
+    args.command = "python benchmarks/report.py " + shlex.join(sys.argv[1:] if argv is None else argv)  # as called
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.machine_label):
         ap.error("--machine-label: letters, digits, '.', '_' and '-' only")
     try:

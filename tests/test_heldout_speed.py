@@ -200,7 +200,7 @@ def test_report_renders_a_folder_of_other_results_only(tmp_path, monkeypatch):
     text = (folder / "README.md").read_text()
     assert text.startswith("# Results on m1") and "### a.json" in text and "| 1 |" in text
     # the README names the command that wrote it, as it was called
-    assert "Written by `python benchmarks/report.py --machine-label m1 --batches '' --render-only`" in text
+    assert "Written by `python benchmarks/report.py --machine-label m1 --render-only --batches '' --readme ''`" in text
     with pytest.raises(SystemExit) as e:
         report.main(["--machine-label", "m1", "--batches", ""])
     assert e.value.code == 2
