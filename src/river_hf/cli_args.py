@@ -63,7 +63,8 @@ def add_river_arguments(p, *, min_layer: bool = True) -> None:
     p.add_argument("--exit-layer-impl", default=None, choices=EXIT_LAYER_IMPLS,
                    help="what the exit layers run: architecture (the architecture's decoder-layer code over the "
                         "quantized Linears), fused (River's fused layer where its family has one: Llama, Qwen2, "
-                        "Mistral; warns otherwise) or auto (fused where supported, silently) (default: per-model config)")
+                        "Mistral; warns otherwise) or auto (fused where supported, no warning where not); a layer whose fused "
+                        "build check fails runs the architecture copy, with a warning (default: per-model config)")
     p.add_argument("--backbone-kernel", default=None, choices=BACKBONE_KERNELS,
                    help="fp32 CPU, route mode: the kernel of the backbone layers River runs (auto: the fastest "
                         "measured at one row of F.linear, river-fp32 and a packed oneDNN copy; onednn, river-fp32: "

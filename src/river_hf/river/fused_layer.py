@@ -12,7 +12,8 @@ lossless mode's verify passes are untouched (its drafts run exit layers, so they
 ones).
 
 Which layers get one (``RiverConfig.exit_layer_impl``): ``architecture`` (none), ``fused`` (every
-layer a registered family supports; a warning where none does) or ``auto`` (the same, silently).
+layer a registered family supports; a warning where none does) or ``auto`` (the same, without that
+warning). Either way a layer whose fused build check fails keeps the architecture copy, with a warning.
 A family is an :class:`ExitLayerFamily` in :data:`FAMILIES` (:func:`register_family`, the way
 :mod:`river_hf.quant.registry` holds kernels): ``refusal(layer, config)`` says why it cannot serve a
 layer (None: it can; :meth:`ExitLayerFamily.supports`), ``build(exit_copy, config)`` makes the
