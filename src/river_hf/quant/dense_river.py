@@ -132,14 +132,17 @@ class RiverFp32Linear(TorchFunctionMode):
 
     @staticmethod
     def measure(in_features: int, out_features: int, rows: int, *, stream_bytes: int | None = None,
-                rounds: int = 5) -> dict[str, float]:
+                rounds: int = 5, grid: bool = False) -> dict[str, float]:
         """Median µs per call of ``F.linear``, of the prepacked oneDNN linear (where this torch has
         oneDNN) and of ``river-fp32`` on ``rows`` fp32 rows of a ``[out_features, in_features]``
         weight, weights streamed from memory (copies totalling ``stream_bytes``, default twice the
-        last-level cache), alternating from round to round.
+        last-level cache), alternating from round to round. With ``grid``, also ``river-grid``
+        (:mod:`~river_hf.quant.grid`) on the same weights held as a Q4_K-like grid (int8 values,
+        fp32 scale and offset per 32 input channels; as many copies).
 
         Returns:
-            ``{"torch": µs, "onednn": µs, "river-fp32": µs}`` (no ``onednn`` without oneDNN).
+            ``{"torch": µs, "onednn": µs, "river-fp32": µs}`` (no ``onednn`` without oneDNN), with
+            ``"river-grid"`` when ``grid``.
 
         Raises:
             RuntimeError: the kernel cannot run here.
@@ -151,6 +154,14 @@ class RiverFp32Linear(TorchFunctionMode):
         x = torch.randn(rows, in_features)
         runs = {"torch": lambda: [F.linear(x, w) for w in weights],
                 "river-fp32": lambda: [ext.dense_mm(x, w, None) for w in weights]}
+        if grid:
+            from .grid import GridWeight
+
+            group = 32 if in_features % 32 == 0 else 16
+            grids = [GridWeight(torch.randint(0, 16, (out_features, in_features), dtype=torch.int8),
+                                torch.rand(out_features, in_features // group) * 1e-2,
+                                torch.rand(out_features, in_features // group) * 1e-2) for _ in weights]
+            runs["river-grid"] = lambda: [g.mm(x) for g in grids]
         if onednn_available():
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
             runs["onednn"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
@@ -174,8 +185,8 @@ def measure_modes(candidates, in_features: int, out_features: int, rows: int, **
             cannot run here.
     """
     names = set(candidates)
-    if "river-fp32" in names and names <= {"torch", "onednn", "river-fp32"}:
-        timings = RiverFp32Linear.measure(in_features, out_features, rows, **kwargs)
+    if "river-fp32" in names and names <= {"torch", "onednn", "river-fp32", "river-grid"}:
+        timings = RiverFp32Linear.measure(in_features, out_features, rows, grid="river-grid" in names, **kwargs)
         if not names <= set(timings):
             raise RuntimeError("this torch build has no oneDNN (torch.ops.mkldnn)")
         return {k: timings[k] for k in names}

@@ -142,12 +142,13 @@ DENSE_MODES = {
     "onednn": "oneDNN linear on weights packed once (PrepackedLinear)",
     "small-batch": "(W @ x.T).T (SmallBatchLinear)",
     "river-fp32": "river-hf's own few-row fp32 product on the weight as stored (RiverFp32Linear)",
+    "river-grid": "river-hf's own product on a weight's exact GGUF grid (GridLinear)",
 }
 
 
 #: the candidates compiled from river-hf's own C++ source (``csrc/river_int4.cpp``): an exit kernel and a
 #: dense mode; their timings hold only for the build they were taken in
-OWN_BUILDS = ("river-int4", "river-fp32")
+OWN_BUILDS = ("river-int4", "river-fp32", "river-grid")
 
 
 def _builds(names) -> dict[str, str]:
