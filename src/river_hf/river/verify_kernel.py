@@ -19,6 +19,8 @@ import torch
 
 from ..quant.dense import PrepackedLinear, linear_mode_hooks, onednn_available
 from ..quant.dense_river import MAX_ROWS as RIVER_FP32_MAX_ROWS, RiverFp32Linear, river_fp32_works
+from ..quant.grid import GridLinear
+from .backbone_grid import backbone_grids
 from .draft_schedule import row_cost_curve
 from .layer import BACKBONE_ONLY, LOSSLESS
 
@@ -35,6 +37,12 @@ PROMPT_MAX_ROWS = 1 << 20
 #: row counts at which :func:`verify_row_costs` times a backbone product (a batch of 4 with 15
 #: drafts verifies 64 rows, of 8: 128)
 COST_ROWS = (1, 8, 16, 32, 64, 128)
+#: row counts at which ``auto`` times river-grid against the kernel the other modes give those rows;
+#: the grid takes calls up to the last count it won at, from one row on
+GRID_TIMED_ROWS = (1, 4, 8, 16)
+#: the rows river-grid takes unmeasured (``RIVER_HF_AUTOTUNE=0``): at one row it reads ~1/3 of the
+#: bytes (3.3x river-fp32 on the 2-core AMD EPYC Zen 5), at 4 rows 1.5x, at 8 even
+GRID_PRIOR_ROWS = 4
 
 
 def available_memory_bytes() -> int | None:
@@ -66,10 +74,14 @@ def _timed(tuner, k_in: int, k_out: int, rows: int, names: tuple[str, ...] | Non
     names = _candidates() if names is None else names
     available = available_memory_bytes() or 0
     stream = min(2 * last_level_cache_bytes(), int(0.1 * available)) if available else None
-    measure = RiverFp32Linear.measure if "river-fp32" in names else PrepackedLinear.measure
+    if "river-fp32" in names:
+        def measure():
+            return RiverFp32Linear.measure(k_in, k_out, rows, stream_bytes=stream, grid="river-grid" in names)
+    else:
+        def measure():
+            return PrepackedLinear.measure(k_in, k_out, rows, stream_bytes=stream)
     return tuner.choose_mode(LinearSpec(k_in, k_out, False), rows, names,
-                             lambda: {k: v for k, v in measure(k_in, k_out, rows, stream_bytes=stream).items()
-                                      if k in names})
+                             lambda: {k: v for k, v in measure().items() if k in names})
 
 
 def _faster(timings: dict, name: str, than: str = "torch") -> bool:
@@ -129,8 +141,10 @@ def verify_mode(model, choice: str, rows: int):
         None), ``shape`` (the timed ``in x out``), ``max_rows`` (the verify rows), ``prompt`` (the
         kernel of prompt passes, ``onednn-prepacked`` or ``torch``), ``prompt_timing_us`` (its
         measurement at :data:`PROMPT_TIMED_ROWS` rows, or None), ``one_row`` and
-        ``one_row_timing_us`` (the same at one row) and ``repacked`` (weights repacked by this
-        call's refresh).
+        ``one_row_timing_us`` (the same at one row), ``repacked`` (weights repacked by this
+        call's refresh) and ``grid`` (river-grid on top where the backbone has a GGUF grid:
+        ``source``, ``kept``, ``skipped``, ``bytes``, ``timing_us``, ``max_rows``, ``why``; then
+        ``one_row`` is ``river-grid``).
     """
     info = {"kernel": "torch", "why": "", "packed_bytes": 0, "timing_us": None, "shape": None,
             "max_rows": rows, "prompt": "torch", "prompt_timing_us": None, "one_row": "torch",
@@ -142,7 +156,7 @@ def verify_mode(model, choice: str, rows: int):
     with _PACK_LOCK:
         cached = model.__dict__.get("_river_verify_linear")
         if cached is None:
-            cached = _decide_verify_kernel(model, choice, rows, dict(info))
+            cached = _with_grids(model, *_decide_verify_kernel(model, choice, rows, dict(info)))
             model._river_verify_linear = cached
         mode, decided = cached
         info = dict(decided)
@@ -228,13 +242,75 @@ def _decide_verify_kernel(model, choice: str, rows: int, info: dict):
 
 
 def kernel_at(mode, rows: int) -> str:
-    """The dense mode name (``river-fp32``, ``onednn`` or ``torch``) that takes an fp32 call of
-    ``rows`` rows inside ``mode`` (a verify or backbone mode, or None), down its fallbacks."""
+    """The dense mode name (``river-grid``, ``river-fp32``, ``onednn`` or ``torch``) that takes an
+    fp32 call of ``rows`` rows inside ``mode`` (a verify or backbone mode, or None), down its
+    fallbacks (``river-grid`` for the weights that have a grid)."""
     while mode is not None:
         if mode.min_rows <= rows <= mode.max_rows:
-            return "river-fp32" if isinstance(mode, RiverFp32Linear) else "onednn"
+            return ("river-grid" if isinstance(mode, GridLinear) else "river-fp32" if isinstance(mode, RiverFp32Linear)
+                    else "onednn")
         mode = getattr(mode, "fallback", None)
     return "torch"
+
+
+def _with_grids(model, mode, info: dict):
+    """``(mode, info)`` of the verify kernel decision with river-grid on top where the model's
+    backbone weights have a GGUF grid (:func:`~river_hf.river.backbone_grid.backbone_grids`, within
+    the packing's memory rule): a :class:`~river_hf.quant.grid.GridLinear` falling back to ``mode``
+    for calls of more rows than the grid won at (``auto``: timed at :data:`GRID_TIMED_ROWS` against
+    the kernel ``mode`` gives those rows, cached in ``kernels.json``; ``RIVER_HF_AUTOTUNE=0``: up to
+    :data:`GRID_PRIOR_ROWS`). ``info["grid"]`` says what was read and why not, where not."""
+    if info.get("why", "").startswith("verify_kernel='torch'") or not river_fp32_works():
+        return mode, {**info, "grid": {"why": "no kernel mode"}}
+    available = available_memory_bytes()
+    limit = 0 if available is None else max(0, int(PACK_MEMORY_SHARE * available) - info.get("packed_bytes", 0))
+    grids, grid_info = backbone_grids(model, limit)
+    info = {**info, "grid": grid_info}
+    if not grids:
+        return mode, info
+    rows, grid_info["timing_us"] = _grid_rows(model, mode or None, grids)
+    grid_info["max_rows"] = rows
+    if rows == 0:
+        grid_info["why"] = "river-grid measured slower at one row than the kernel it would replace"
+        return mode, info
+    grid_mode = GridLinear(grids, min_rows=1, max_rows=rows, fallback=mode or None)
+    _count_grid_bytes(model, grids)
+    return grid_mode, {**info, "one_row": "river-grid", "packed_bytes": grid_mode.packed_bytes}
+
+
+def _count_grid_bytes(model, grids) -> None:
+    """Recount the model's weight bytes per decode step (``_river_step_bytes``, the GB/s figures of
+    ``river_stats``) with each backbone Linear that has a grid at the grid's bytes, as a one-row step reads it."""
+    step_bytes, layers = model.__dict__.get("_river_step_bytes"), getattr(model.river, "layers", None)
+    if not step_bytes or not layers:
+        return
+
+    def saved(module) -> int:
+        return sum(m.weight.numel() * m.weight.element_size() - grids[m].nbytes for m in module.modules() if m in grids)
+
+    delta = [saved(getattr(layer, "backbone", layer)) for layer in layers]
+    head = model.get_output_embeddings()
+    head_delta = saved(getattr(head, "backbone", head)) if head is not None else 0
+    model._river_step_bytes = {name: [b - sum(delta[:k]) - (head_delta if k == len(layers) else 0)
+                                      for k, b in enumerate(row)] for name, row in step_bytes.items()}
+
+
+def _grid_rows(model, fallback, grids) -> tuple[int, dict | None]:
+    """The most rows river-grid takes (0: none) and the timings (µs by rows, or None unmeasured)."""
+    from ..quant.autotune import default_tuner
+
+    tuner = default_tuner()
+    if tuner is None:
+        return GRID_PRIOR_ROWS, None
+    head = model.get_output_embeddings()
+    k_in, k_out = _representative_shape(list(grids), getattr(head, "backbone", head))
+    names, rows, timings = (*_candidates(), "river-grid"), 0, {}
+    for count in GRID_TIMED_ROWS:
+        timings[count] = _timed(tuner, k_in, k_out, count, names)[1]
+        if timings[count]["river-grid"] >= timings[count][kernel_at(fallback, count)]:
+            break
+        rows = count
+    return rows, timings
 
 
 def verify_row_costs(model, mode):
@@ -264,7 +340,12 @@ def verify_row_costs(model, mode):
     tuner = default_tuner()
     linears = [m for m in model.river_backbone_modules() if isinstance(m, torch.nn.Linear)
                and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
-    names = _candidates(river=isinstance(mode, RiverFp32Linear))
+    chain, link = [], mode
+    while link is not None:
+        chain, link = chain + [link], getattr(link, "fallback", None)
+    names = _candidates(river=any(isinstance(m, (RiverFp32Linear, GridLinear)) for m in chain))
+    if any(isinstance(m, GridLinear) for m in chain):
+        names = (*names, "river-grid")
     if tuner is None or not linears or len(names) == 1:
         return None  # not kept: a later call may have a tuner (RIVER_HF_AUTOTUNE set again)
     head = model.get_output_embeddings()
@@ -318,10 +399,10 @@ def backbone_mode(model, choice: str):
     if kernel == "torch":
         return None, {**info, "why": "F.linear measured fastest at one row", "timing_us": timing}
     why = (f"backbone_kernel={choice!r}" if choice != "auto"
-           else f"{'river-fp32' if kernel == 'river-fp32' else 'prepacked oneDNN'} measured fastest at one row")
+           else f"{'prepacked oneDNN' if kernel == 'onednn' else kernel} measured fastest at one row")
     mode = copy.with_rows()  # a view: its own count of rerouted calls
     return mode, {**info, "kernel": copy_info["one_row"], "why": why, "timing_us": timing,
-                  "packed_bytes": copy.packed_bytes, "max_rows": _max_rows(copy)}
+                  "packed_bytes": copy.packed_bytes, "max_rows": _max_rows(copy), "grid": copy_info.get("grid")}
 
 
 def _max_rows(mode) -> int:
