@@ -26,6 +26,11 @@ each (every row exactly ``--new-tokens``; tokens/s count every row's tokens). Me
   ``F.linear``: the plain model on the fastest fp32 kernels River itself uses. Both plain-model
   methods enter their mode around each Linear only (``linears_in_mode``), the scope River gives its
   backbone kernel, so neither side pays the mode's dispatch on its other ops;
+- ``unmodified-river-grid``: the plain fp32 model with its Linear calls of up to the rows River's
+  grid measured faster at read from the GGUF's own grid (``river_hf.quant.grid.GridLinear`` over the
+  grids River read, ``RiverConfig.backbone_grid``: the same weights bit for bit, about 1.25 bytes a
+  weight), other calls as ``unmodified-river-fp32``: the plain model on the kernel River's backbone
+  layers use, so River's gain over it is read in the same run;
 - ``river-onednn``: River (route mode) with its backbone Linears' calls on that same packed copy (the
   plain model shares River's backbone tensors; the exit layers keep their quantized kernels): what
   routing River's one-row backbone products through oneDNN would give, measured before building it;
@@ -82,7 +87,7 @@ from river_hf.bench_harness.output import command_line, compare_protocol, write_
 from river_hf.quant.dense_river import RiverFp32Linear
 
 METHODS = ("unmodified", "river", "exit", "exit-noprompt", "lossless", "unmodified-bf16", "river-bf16", "exit-bf16",
-           "unmodified-onednn", "river-onednn", "unmodified-river-fp32", "llama.cpp", "river-fused", "exit-fused",
+           "unmodified-onednn", "river-onednn", "unmodified-river-fp32", "unmodified-river-grid", "llama.cpp", "river-fused", "exit-fused",
            "lossless-fused", "river-mkl")
 #: what the ``-fused`` methods change: River's own fused exit layers over stacked q/k/v and gate/up products
 #: (a second River model, same kernels chosen by the same rules)
@@ -223,6 +228,20 @@ def main(argv=None) -> int:
         except RuntimeError as e:
             ap.error(f"unmodified-river-fp32: {e}; leave it out")
 
+    plain_grid = None
+    if "unmodified-river-grid" in methods:
+        from river_hf.quant.grid import GridLinear
+        from river_hf.river.verify_kernel import verify_mode
+
+        mode, _ = verify_mode(river, river.river_config.verify_kernel, river.river_config.max_draft_tokens + 1)
+        if not isinstance(mode, GridLinear):
+            ap.error("unmodified-river-grid: River read no grid for this model (RiverConfig.backbone_grid); leave it out")
+        plain_grid = GridLinear(mode.grids, max_rows=mode.max_rows, fallback=plain_fp32 or packed)
+        on_grid = {id(m.weight) for m in plain_grid.grids}  # a decode step reads these Linears' grids
+        full_bytes["grid"] = (sum(g.nbytes for g in plain_grid.grids.values())
+                              + sum(linear_weight_bytes(m) for m in plain.modules()
+                                    if isinstance(m, torch.nn.Linear) and id(m.weight) not in on_grid))
+
     # where the *-onednn / *-river-fp32 methods enter their mode: around each Linear that it may reroute
     # (River's own scope for its backbone kernel), the plain model's every Linear, River's backbone ones
     model_linears = {id(m): [x for x in (m.river_backbone_modules() if m is river else m.modules())
@@ -241,8 +260,9 @@ def main(argv=None) -> int:
                 onednn = method.endswith("-onednn")
                 noprompt = method.endswith("-noprompt")
                 river_fp32 = method.endswith("-river-fp32")
+                river_grid = method.endswith("-river-grid")
                 base = (method.removesuffix("-bf16").removesuffix("-onednn").removesuffix("-noprompt").removesuffix("-fused")
-                        .removesuffix("-river-fp32"))
+                        .removesuffix("-river-fp32").removesuffix("-river-grid"))
                 base = "lossless" if method in variants else base.removesuffix("-mkl")
                 model = (plain16 if bf16 else plain) if base == "unmodified" else (river16 if bf16 else river)
                 if method.endswith("-fused"):
@@ -251,8 +271,8 @@ def main(argv=None) -> int:
                 mode = {"river": "route", "exit": "exit", "lossless": "lossless"}.get(base)
                 with torch.no_grad(), (settings(model, variants[method]) if method in variants
                                        else contextlib.nullcontext()), (model.river_mode(mode) if mode else contextlib.nullcontext()), \
-                        (linears_in_mode(model_linears[id(model)], packed if onednn else plain_fp32)
-                         if onednn or river_fp32 else contextlib.nullcontext()), \
+                        (linears_in_mode(model_linears[id(model)], packed if onednn else plain_grid if river_grid else plain_fp32)
+                         if onednn or river_fp32 or river_grid else contextlib.nullcontext()), \
                         (prompt_kernels_off(model) if noprompt else contextlib.nullcontext()), \
                         (backbone_kernel(model, "torch") if method.endswith("-mkl") else contextlib.nullcontext()):
                     timer.reset()
@@ -260,7 +280,7 @@ def main(argv=None) -> int:
                 new = out[:, ids.shape[1]:].tolist()
                 m = timer.measurement(returned_tokens=sum(len(row) for row in new))
                 if mode is None:
-                    m.weight_bytes_per_step = full_bytes[torch.bfloat16 if bf16 else torch.float32]
+                    m.weight_bytes_per_step = full_bytes["grid" if river_grid else torch.bfloat16 if bf16 else torch.float32]
                 else:
                     s = model.river_stats
                     m.weight_bytes_per_step = s["weight_bytes_per_token"] * m.decode_tokens / max(m.decode_steps, 1)
@@ -290,7 +310,8 @@ def main(argv=None) -> int:
         # per exit shape: the kernel, every candidate's cold one-token time (µs), the error on the real weights
         "river_kernels": river.river_kernels(),
         "kernel_choice_bf16": river16.river_config.kernel_choice if river16 is not None else None,
-        "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "gguf": llm.weight_bytes if llm else None},
+        "weight_bytes": {"fp32": full_bytes[torch.float32], "bf16": full_bytes.get(torch.bfloat16), "grid": full_bytes.get("grid"),
+                         "gguf": llm.weight_bytes if llm else None},
         "onednn_packed_bytes": packed.packed_bytes if packed is not None else None, "onednn_copy": packed_note,
         "llama_cpp_version": llm.version if llm is not None else None,
         "protocol": compare_protocol(args.repeats, args.new_tokens, interleaved=not args.no_interleave),
