@@ -139,6 +139,8 @@ def test_backbone_grid_setting_is_checked(tmp_path):
 
     with pytest.raises(RiverError, match="backbone_grid"):
         RiverConfig(backbone_grid=str(tmp_path / "missing.gguf"))
+    with pytest.raises(RiverError, match="no such file: '~/no-such-river-grid.gguf'"):
+        RiverConfig(backbone_grid="~/no-such-river-grid.gguf")  # ~ is expanded, then looked for
     with pytest.raises(RiverError, match="backbone_grid"):
         RiverConfig(backbone_grid=3)
     assert RiverConfig(backbone_grid="off").backbone_grid == "off"
@@ -199,3 +201,16 @@ def test_the_cli_flag_is_checked_before_any_model_loads(tmp_path, smollm2_gguf):
     with pytest.raises(RiverError, match="--backbone-grid: no GGUF file"):
         cli_args.river_overrides(parser.parse_args(["--backbone-grid", str(tmp_path / "nope.gguf")]))
     assert "backbone_grid" in RIVER_SETTINGS
+
+
+def test_a_named_file_that_gives_no_grid_warns_and_changes_nothing(tmp_path, smollm2_path):
+    from river_hf import RiverForCausalLM
+
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("not a GGUF file")
+    river = RiverForCausalLM.from_pretrained(smollm2_path, tau=0.9, backbone_kernel="river-fp32",
+                                             backbone_grid=str(not_gguf))
+    with pytest.warns(UserWarning, match="could not be read as a GGUF file.*fp32 weights"):
+        river.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+    info = river.river_stats["backbone_kernel"]
+    assert info["kernel"] == "river-fp32" and info["grid"]["kept"] == 0

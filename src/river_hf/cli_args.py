@@ -72,7 +72,8 @@ def add_river_arguments(p, *, min_layer: bool = True) -> None:
     p.add_argument("--backbone-grid", default=None, metavar="auto|off|GGUF",
                    help="fp32 CPU, a model converted from a GGUF file: the backbone's products of a few rows read "
                         "the GGUF's own grid (the same weights bit for bit, ~1.25 bytes a weight instead of 4): auto "
-                        "(a registry model's own GGUF), off, or the GGUF file's path (default: auto)")
+                        "(a registry model's own GGUF), off, or the GGUF file's path; a file that gives no grid warns and "
+                        "the backbone reads its fp32 weights (default: auto)")
 
 
 def river_overrides(args) -> dict:
@@ -91,7 +92,7 @@ def river_overrides(args) -> dict:
         if value is not None:
             out[name] = value
     grid = out.get("backbone_grid")
-    if grid is not None and grid not in ("auto", "off") and not os.path.isfile(grid):
+    if grid is not None and grid not in ("auto", "off") and not os.path.isfile(os.path.expanduser(grid)):
         raise RiverError(f"--backbone-grid: no GGUF file {grid!r} (give auto, off or the file the model was converted from)")
     head = getattr(args, "exit_head", None)
     if head is not None:

@@ -11,6 +11,9 @@ say how many were kept.
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
 from ..files import cache_dir
@@ -66,7 +69,7 @@ def backbone_grids(model, memory_limit: int | None) -> tuple[dict, dict]:
         return {}, {**info, "why": "backbone_grid='off'"}
     if not river_int4.works():
         return {}, {**info, "why": f"river-grid cannot run here: {river_int4.unavailable_reason()}"}
-    path = source_gguf(model) if setting == "auto" else setting
+    path = source_gguf(model) if setting == "auto" else os.path.expanduser(setting)
     if path is None:
         return {}, {**info, "why": "no GGUF file known for this model (backbone_grid='auto' knows the registry "
                                    "models' own; give backbone_grid=PATH for another model converted from a GGUF)"}
@@ -83,8 +86,12 @@ def backbone_grids(model, memory_limit: int | None) -> tuple[dict, dict]:
     try:
         grids, read = grid_weights(model, path, linears)
     except (OSError, ValueError, KeyError) as e:
-        return {}, {**info, "source": path, "why": f"{path} could not be read as a GGUF file ({type(e).__name__}: {e})"}
+        grids, read = {}, {"kept": 0, "skipped": {}, "bytes": 0}
+        info["why"] = f"{path} could not be read as a GGUF file ({type(e).__name__}: {e})"
     info.update(source=path, kept=read["kept"], skipped=len(read["skipped"]), bytes=read["bytes"])
-    if not grids:
+    if not grids and not info["why"]:
         info["why"] = f"no weight of this model is on a grid of {path}"
+    if not grids and setting != "auto":  # a file the user named that gave nothing: say so once
+        warnings.warn(f"River backbone_grid={setting!r}: {info['why']}; the backbone reads its fp32 weights",
+                      UserWarning, stacklevel=2)
     return grids, info

@@ -303,9 +303,10 @@ class RiverConfig:
         if self.backbone_kernel not in VERIFY_KERNELS:
             raise RiverError(f"backbone_kernel must be one of {', '.join(VERIFY_KERNELS)}, got {self.backbone_kernel!r}")
         if not isinstance(self.backbone_grid, str) or (self.backbone_grid not in ("auto", "off")
-                                                       and not Path(self.backbone_grid).is_file()):
+                                                       and not Path(self.backbone_grid).expanduser().is_file()):
             raise RiverError(f"backbone_grid must be 'auto', 'off' or the path of the GGUF file the model was "
-                             f"converted from, got {self.backbone_grid!r}")
+                             f"converted from (no such file: {self.backbone_grid!r})" if isinstance(self.backbone_grid, str)
+                             else f"backbone_grid must be 'auto', 'off' or a GGUF file's path, got {self.backbone_grid!r}")
         if self.offload_from is not None and (not isinstance(self.offload_from, int) or self.offload_from < 0):
             raise RiverError(f"offload_from must be a layer index >= 0 or None, got {self.offload_from!r}")
         if self.kernel_choice is not None and not (
