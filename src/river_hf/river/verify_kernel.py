@@ -260,8 +260,8 @@ def _with_grids(model, mode, info: dict):
     for calls of more rows than the grid won at (``auto``: timed at :data:`GRID_TIMED_ROWS` against
     the kernel ``mode`` gives those rows, cached in ``kernels.json``; ``RIVER_HF_AUTOTUNE=0``: up to
     :data:`GRID_PRIOR_ROWS`). ``info["grid"]`` says what was read and why not, where not."""
-    if info.get("why", "").startswith("verify_kernel='torch'") or not river_fp32_works():
-        return mode, {**info, "grid": {"why": "no kernel mode"}}
+    if not river_fp32_works():  # (verify_kernel='torch' never gets here: verify_mode returns first)
+        return mode, {**info, "grid": {"why": "river-hf's C++ kernels cannot run here"}}
     available = available_memory_bytes()
     limit = 0 if available is None else max(0, int(PACK_MEMORY_SHARE * available) - info.get("packed_bytes", 0))
     grids, grid_info = backbone_grids(model, limit)
