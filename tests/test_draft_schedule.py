@@ -160,8 +160,9 @@ def test_a_schedule_registered_later_is_accepted_by_the_config():
 
 def test_verify_row_costs_are_measured_once_on_the_verify_kernel_and_reported(monkeypatch, tmp_path):
     """The curve's points: the backbone's MLP shape timed at each of COST_ROWS on the kernel the
-    verify mode runs that many rows on, over that kernel's one-row time; cached on the model, in
-    kernels.json, and reported in river_stats; None without a tuner (RIVER_HF_AUTOTUNE=0)."""
+    verify mode runs that many rows on, over the fastest one-row time of the mode's kernels
+    (F.linear included); cached on the model, in kernels.json, and reported in river_stats; None
+    without a tuner (RIVER_HF_AUTOTUNE=0)."""
     from river_hf.quant.dense import PrepackedLinear
     from river_hf.river import verify_kernel
 
@@ -184,10 +185,35 @@ def test_verify_row_costs_are_measured_once_on_the_verify_kernel_and_reported(mo
 
     v = verify_kernel.verify_row_costs(river, Mode())
     assert sorted(timed) == list(verify_kernel.COST_ROWS)
-    # 1 and 128 rows on F.linear (10 us a row over 10 us), 8..64 on oneDNN (over oneDNN's 100 us at one row)
-    assert v.points == ((1, 1.0), (8, 1.0), (16, 1.0), (32, 2.0), (64, 4.0), (128, 128.0))
+    # 1 and 128 rows on F.linear (10 us a row), 8..64 on oneDNN; all over F.linear's 10 us at one row,
+    # the fastest one-row pass here (not over oneDNN's own 100 us: a verify's cost against the drafts')
+    assert v.points == ((1, 1.0), (8, 10.0), (16, 10.0), (32, 20.0), (64, 40.0), (128, 128.0))
     assert verify_kernel.verify_row_costs(river, None) is v and len(timed) == len(verify_kernel.COST_ROWS)
     other = river_copy(base, config=RiverConfig(lossless=True))  # another model: kernels.json, no timing
     assert verify_kernel.verify_row_costs(other, Mode()).points == v.points and len(timed) == len(verify_kernel.COST_ROWS)
     river.generate(prompt(), max_new_tokens=8, **GEN)
     assert river.river_stats["lossless"]["verify_row_costs"] == [list(p) for p in v.points]
+
+
+def test_verify_row_costs_count_a_verify_past_the_grid_in_one_row_grid_passes(monkeypatch, tmp_path):
+    """With river-grid taking 1..4 rows at a third of oneDNN's one-row time, a verify of 8 rows on
+    oneDNN costs three one-row passes (the unit the drafts' bytes_cost is in), not one."""
+    from river_hf.quant.dense_river import RiverFp32Linear
+    from river_hf.quant.grid import GridLinear
+    from river_hf.river import verify_kernel
+
+    def measure(i, o, rows, **kw):
+        return {"torch": 90.0 * rows, "onednn": 90.0 * max(1.0, rows / 16), "river-fp32": 90.0 * rows,
+                "river-grid": 30.0 * rows}
+
+    monkeypatch.setattr(RiverFp32Linear, "measure", staticmethod(measure))
+    monkeypatch.setattr(verify_kernel, "river_fp32_works", lambda: True)
+    monkeypatch.delenv("RIVER_HF_AUTOTUNE", raising=False)
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path))
+
+    class OneDNN:  # the verify mode under the grid: 2..64 rows on oneDNN
+        min_rows, max_rows = 2, 64
+
+    grid = GridLinear({}, min_rows=1, max_rows=4, fallback=OneDNN())
+    v = verify_kernel.verify_row_costs(river_copy(tiny_model("qwen2"), config=RiverConfig(lossless=True)), grid)
+    assert v.points == ((1, 1.0), (8, 3.0), (16, 3.0), (32, 6.0), (64, 12.0), (128, 384.0))

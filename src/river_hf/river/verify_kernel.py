@@ -321,12 +321,17 @@ def verify_row_costs(model, mode):
 
     The backbone's most common Linear shape (the one :func:`verify_mode` times, an MLP
     projection) is timed at each of :data:`COST_ROWS` rows on the kernel a verify pass of that many
-    rows runs on (``mode``, the call's verify mode: prepacked oneDNN for the rows it reroutes,
-    else ``F.linear``); each point is that time over the same kernel's one-row time, and
-    :func:`~river_hf.river.draft_schedule.row_cost_curve` interpolates between them. Decode streams
-    the weights, so up to some rows a pass costs about one one-row pass; past them the products
-    turn compute-bound (on the 2-core AMD EPYC Zen 5, Qwen2.5-Coder-0.5B, prepacked oneDNN: 1.02 at
-    8 rows, 1.40 at 16, 2.35 at 32, 4.23 at 64).
+    rows runs on (``mode``, the call's verify mode: river-grid, river-fp32 or prepacked oneDNN for
+    the rows each reroutes, else ``F.linear``); each point is that time over the one-row time of
+    the fastest kernel in ``mode``'s chain (``F.linear`` included): the one-row pass the ``cost``
+    schedule's draft cost is counted in (:func:`~river_hf.river.draft_schedule.bytes_cost`, weight
+    bytes at the backbone's one-row rate: with river-grid, the grid's bytes). Each kernel's own
+    one-row time was the unit before; with river-grid taking one row at ~1/3 of oneDNN's time that
+    priced a verify past the grid's rows at a third of its cost against the drafts.
+    :func:`~river_hf.river.draft_schedule.row_cost_curve` interpolates between the points. Decode
+    streams the weights, so up to some rows a pass costs about one one-row pass of the same kernel;
+    past them the products turn compute-bound (on the 2-core AMD EPYC Zen 5, Qwen2.5-Coder-0.5B,
+    prepacked oneDNN over its own one-row time: 1.02 at 8 rows, 1.40 at 16, 2.35 at 32, 4.23 at 64).
     The timings go through
     :meth:`river_hf.quant.autotune.KernelTuner.choose_mode`, cached in ``kernels.json`` with the
     exit kernels' (a second process measures nothing); the curve is kept on the model
@@ -352,7 +357,8 @@ def verify_row_costs(model, mode):
     k_in, k_out = _representative_shape(linears, getattr(head, "backbone", head))
 
     timings = {rows: _timed(tuner, k_in, k_out, rows, names)[1] for rows in COST_ROWS}
-    points = [(rows, timings[rows][kernel_at(mode, rows)] / timings[1][kernel_at(mode, rows)]) for rows in COST_ROWS]
+    one_row = min(timings[1][kernel_at(link, 1)] for link in (*chain, None))
+    points = [(rows, timings[rows][kernel_at(mode, rows)] / one_row) for rows in COST_ROWS]
     curve = model._river_verify_costs = row_cost_curve(points)
     return curve
 
