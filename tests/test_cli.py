@@ -320,3 +320,16 @@ def test_an_oserror_that_is_not_stdouts_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli.OneLineParser, "parse_args", lambda self, argv=None: argparse.Namespace(func=fails))
     with pytest.raises(OSError, match="No space left"):
         cli.main(["kernels"])
+
+
+def test_the_stats_line_names_the_kernel_river_ran_its_backbone_linears_on():
+    from types import SimpleNamespace
+
+    from river_hf.river.cli import _stats_line
+
+    model = SimpleNamespace(river_config=SimpleNamespace(tau=0.9))
+    stats = {"new_tokens": 8, "seconds": 1.0, "tokens_per_s": 8.0, "mean_exit_layer": 3.0, "num_layers": 24,
+             "exit_fraction": 0.5, "backbone_kernel": {"kernel": "river-grid"}}
+    assert _stats_line("River", stats, model).endswith("50% of decode steps exited, backbone Linears on river-grid")
+    for kernel in ({"kernel": "torch"}, None):
+        assert "backbone Linears" not in _stats_line("River", {**stats, "backbone_kernel": kernel}, model)

@@ -226,6 +226,9 @@ def _stats_line(label: str, s: dict, model) -> str:
     elif label == "River" and s.get("mean_exit_layer") is not None:
         line += (f", τ={model.river_config.tau:g}, mean exit layer {s['mean_exit_layer']:.1f}/{s['num_layers']}, "
                  f"{s['exit_fraction']:.0%} of decode steps exited")
+        kernel = (s.get("backbone_kernel") or {}).get("kernel")
+        if kernel not in (None, "torch"):
+            line += f", backbone Linears on {kernel}"
     return line
 
 
