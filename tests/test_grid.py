@@ -5,6 +5,8 @@ and lossless verify read the grid, τ > 1 never does, and lossless stays token-i
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -67,6 +69,27 @@ def test_the_product_is_f_linear_on_the_same_weights_up_to_summation_order(rows)
     expected = F.linear(x, weight, bias)
     assert y.shape == expected.shape and y.dtype == torch.float32
     assert float((y - expected).norm() / expected.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("group", [16, 32, 512])
+def test_a_row_gets_the_same_numbers_whatever_the_calls_other_rows(group):
+    """Past a few rows the kernel dequantizes each block once into a tile and runs every row from it;
+    each row's output still equals its one-row call bit for bit (same fma, same summation order):
+    rows 1..13 with and without offsets, an input width that leaves a part-chunk of the 256-channel tile
+    (group 16 / 32) or a group wider than the tile (512)."""
+    from river_hf.quant.grid import GridWeight
+
+    gen = torch.Generator().manual_seed(group)
+    out_features, in_features = 7, 1536 if group == 512 else 352
+    q = torch.randint(-32, 32, (out_features, in_features), dtype=torch.int8, generator=gen)
+    scale = torch.rand(out_features, in_features // group, generator=gen) * 0.01
+    for offset in (None, torch.rand(out_features, in_features // group, generator=gen) * 0.01):
+        grid = GridWeight(q, scale, offset)
+        bias = torch.randn(out_features, generator=gen)
+        for rows in range(1, 14):
+            x = torch.randn(rows, in_features, generator=gen)
+            alone = torch.cat([grid.mm(x[r:r + 1], bias) for r in range(rows)])
+            assert torch.equal(grid.mm(x, bias), alone), rows
 
 
 def test_a_bad_group_size_is_refused():
@@ -214,3 +237,46 @@ def test_a_named_file_that_gives_no_grid_warns_and_changes_nothing(tmp_path, smo
         river.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
     info = river.river_stats["backbone_kernel"]
     assert info["kernel"] == "river-fp32" and info["grid"]["kept"] == 0
+
+
+def test_the_gguf_tensor_table_is_kept_after_the_first_read(tmp_path, monkeypatch, smollm2_gguf):
+    """The second read of a GGUF (another process) takes the kept table, not gguf-py's full parse;
+    the same tensors and bytes either way. A changed file, or a kept table that cannot be used, is
+    parsed again."""
+    import shutil
+
+    import gguf
+
+    from river_hf.quant import gguf_index
+
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(smollm2_gguf, path)
+    parsed = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parsed.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    arch, first = gguf_index.gguf_tensors(str(path))
+    assert arch == "llama" and len(parsed) == 1
+    reference = {t.name: t for t in gguf.gguf_reader.GGUFReader(str(path)).tensors}
+    arch2, again = gguf_index.gguf_tensors(str(path))
+    assert arch2 == arch and len(parsed) == 1 and again.keys() == reference.keys()
+    for name, t in again.items():
+        ref = reference[name]
+        assert t.format == ref.tensor_type.name and t.shape == tuple(int(d) for d in ref.shape)
+        assert np.array_equal(t.data, np.asarray(ref.data).reshape(-1).view(np.uint8))
+    (index,) = (tmp_path / "cache" / "gguf-index").iterdir()
+    index.write_text("{not json")
+    gguf_index.gguf_tensors(str(path))
+    assert len(parsed) == 2
+    path.write_bytes(path.read_bytes())  # a new modification time: the kept table is not this file's
+    os.utime(path, ns=(1, 1))
+    gguf_index.gguf_tensors(str(path))
+    assert len(parsed) == 3
+    with pytest.raises(ValueError):
+        (tmp_path / "notes.gguf").write_text("not a GGUF file")
+        gguf_index.gguf_tensors(str(tmp_path / "notes.gguf"))

@@ -13,7 +13,7 @@ AMD EPYC Zen 5, one row times a 1536 x 8960 weight: 319 µs against river-fp32's
 from memory; at 8 or more rows the products are compute-bound and the two are about even).
 
 Exactness: :func:`grid_weights` keeps a grid only when the C++ kernel's own dequantization
-(``grid_dequant``, the same fma as the product) gives every element of the model's fp32 weight, so a
+(``grid_equals``: ``grid_dequant``'s fma, the product's) gives every element of the model's fp32 weight, so a
 product on the grid is the fp32 product on the model's weights; it differs from ``F.linear`` by fp32
 summation order only (relative error ~1e-7), as river-fp32 does. :class:`GridLinear` (a
 ``TorchFunctionMode`` with the interface of :class:`~river_hf.quant.dense_river.RiverFp32Linear`)
@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import river_int4
 from .dense import _PLAIN, WeightFingerprint, _check_rows, _linear_args
+from .gguf_index import gguf_tensors
 
 __all__ = ["GridWeight", "GridLinear", "grid_weights", "GRID_FORMATS", "MAX_ROWS"]
 
@@ -149,6 +150,12 @@ class GridWeight:
         return river_int4.extension().grid_dequant(self.packed, self.out_features, self.in_features, self.group,
                                                    self.has_offset)
 
+    def equals(self, weight: torch.Tensor) -> bool:
+        """Whether :meth:`dequantize` equals ``weight`` (float32 ``[out, in]``) in every element, as
+        ``torch.equal``, read once without the dequantized copy."""
+        return bool(river_int4.extension().grid_equals(self.packed, self.out_features, self.in_features, self.group,
+                                                       self.has_offset, weight))
+
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` float32 ``[..., in]`` times the weight (plus ``bias`` float32 ``[out]``): ``[..., out]``."""
         return river_int4.extension().grid_mm(x, self.packed, self.out_features, self.in_features, self.group,
@@ -162,11 +169,6 @@ def _reverse_permute(rows: int, heads: int) -> np.ndarray:
     return idx.reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)
 
 
-def _gguf_arch(reader) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
-
-
 def grid_weights(model, gguf_path: str, linears: dict[str, torch.nn.Linear]) -> tuple[dict, dict]:
     """Read the grids of ``linears`` (``{name in the architecture: nn.Linear}``, e.g.
     ``model.layers.0.mlp.up_proj``) from the GGUF file ``gguf_path`` the model was converted from,
@@ -174,7 +176,8 @@ def grid_weights(model, gguf_path: str, linears: dict[str, torch.nn.Linear]) -> 
 
     Names are mapped by gguf-py's own table (``gguf.get_tensor_name_map``); a head tied to the
     embeddings is looked for under the GGUF's ``output`` and ``token_embd``. Takes a few seconds a
-    GB of weights (parsing, packing, and one dequantization per weight to check it).
+    GB of weights (parsing, packing, and one dequantizing read of each grid to check it); the
+    file's tensor table is kept after its first read (:func:`~river_hf.quant.gguf_index.gguf_tensors`).
 
     Returns:
         ``({nn.Linear: GridWeight}, info)``; ``info`` has ``kept`` and ``skipped`` (``{name: why}``:
@@ -186,9 +189,7 @@ def grid_weights(model, gguf_path: str, linears: dict[str, torch.nn.Linear]) -> 
     """
     import gguf
 
-    reader = gguf.GGUFReader(gguf_path)
-    tensors = {t.name: t for t in reader.tensors}
-    arch = _gguf_arch(reader)
+    arch, tensors = gguf_tensors(gguf_path)
     arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
     config = model.config
     blocks = int(getattr(config, "num_hidden_layers", 0) or 0)
@@ -215,7 +216,7 @@ def grid_weights(model, gguf_path: str, linears: dict[str, torch.nn.Linear]) -> 
 
 
 def _grid_of(t, weight: torch.Tensor, config):
-    fmt = t.tensor_type.name
+    fmt = t.format
     parse = GRID_FORMATS.get(fmt)
     if parse is None:
         return None, f"{t.name} is {fmt}, not a grid format"
@@ -235,7 +236,7 @@ def _grid_of(t, weight: torch.Tensor, config):
         qq, ss, oo = (q, scale, offset) if order is None else (q[order], scale[order], None if offset is None else offset[order])
         grid = GridWeight(torch.from_numpy(np.ascontiguousarray(qq)), torch.from_numpy(np.ascontiguousarray(ss)),
                           None if oo is None else torch.from_numpy(np.ascontiguousarray(oo)))
-        if torch.equal(grid.dequantize(), weight.detach()):
+        if grid.equals(weight.detach()):
             return grid, ""
     return None, f"{t.name} ({fmt}) does not give this weight's values"
 

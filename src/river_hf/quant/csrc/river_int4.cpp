@@ -781,6 +781,7 @@ inline gvec g_load(const float* p) { return _mm512_loadu_ps(p); }
 inline void g_store(float* p, gvec v) { _mm512_storeu_ps(p, v); }
 inline gvec g_fma(gvec a, gvec b, gvec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float g_hsum(gvec v) { return _mm512_reduce_add_ps(v); }
+inline bool g_equal(gvec a, gvec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ) == 0xFFFF; }
 #else
 using gvec = __m256;
 constexpr int GL = 8, GRM = 2;  // 8 accumulators, 4 weight vectors, x and the broadcasts in 16 registers
@@ -791,6 +792,7 @@ inline gvec g_load(const float* p) { return _mm256_loadu_ps(p); }
 inline void g_store(float* p, gvec v) { _mm256_storeu_ps(p, v); }
 inline gvec g_fma(gvec a, gvec b, gvec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float g_hsum(gvec v) { return river_ops::hsum8(v); }
+inline bool g_equal(gvec a, gvec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)) == 0xFF; }
 #endif
 
 inline int64_t grid_stride(int64_t G, bool offset) { return GRID_ROWS * G + GRID_ROWS * 4 * (offset ? 2 : 1); }
@@ -832,6 +834,68 @@ void grid_chunk(int64_t rows, const float* x, int64_t K, const int8_t* blk, int6
     if (rows == RM) return grid_block<RM>(x, K, blk, G, offset, n, N, bias, y);
     grid_chunk<RM - 1>(rows, x, K, blk, G, offset, n, N, bias, y);
   }
+}
+
+// Past GRM rows, grid_block would dequantize each weight vector once per GRM rows. grid_block_tiled
+// dequantizes a block's weights once, GRID_KC input channels at a time, into an L1 tile, and runs every row
+// from it in register tiles of GRT rows x GRID_ROWS outputs; the accumulators wait in `acc` between
+// chunks. Each (row, output) still sums over k in grid_block's order, lane by lane, with the same fma: the
+// numbers equal grid_block's bit for bit, whatever the call's rows.
+constexpr int64_t GRID_KC = 256;
+#if defined(__AVX512F__)
+constexpr int GRT = 6;  // 24 accumulators, 4 weight vectors and x in 32 registers
+#else
+constexpr int GRT = 2;  // 8 accumulators, 4 weight vectors and x in 16 registers
+#endif
+
+template <int R>
+void grid_tile_rows(const float* x, int64_t K, const float* tile, int64_t tile_stride, int64_t k0, int64_t kc,
+                    float* acc) {
+  gvec a[R][GRID_ROWS];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < GRID_ROWS; ++j) a[r][j] = g_load(acc + (r * GRID_ROWS + j) * GL);
+  for (int64_t k = 0; k < kc; k += GL) {
+    gvec w[GRID_ROWS];
+    for (int j = 0; j < GRID_ROWS; ++j) w[j] = g_load(tile + j * tile_stride + k);
+    for (int r = 0; r < R; ++r) {
+      const gvec xv = g_load(x + r * K + k0 + k);
+      for (int j = 0; j < GRID_ROWS; ++j) a[r][j] = g_fma(w[j], xv, a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < GRID_ROWS; ++j) g_store(acc + (r * GRID_ROWS + j) * GL, a[r][j]);
+}
+
+template <int R>
+void grid_tile_chunk(int64_t rows, const float* x, int64_t K, const float* tile, int64_t tile_stride, int64_t k0,
+                     int64_t kc, float* acc) {
+  if constexpr (R >= 1) {
+    if (rows == R) return grid_tile_rows<R>(x, K, tile, tile_stride, k0, kc, acc);
+    grid_tile_chunk<R - 1>(rows, x, K, tile, tile_stride, k0, kc, acc);
+  }
+}
+
+// M rows times one block of GRID_ROWS weight rows; scratch holds M * GRID_ROWS * GL + GRID_ROWS * kcap floats
+void grid_block_tiled(int64_t M, const float* x, int64_t K, const int8_t* blk, int64_t G, bool offset, int64_t n,
+                      int64_t N, const float* bias, float* y, float* scratch) {
+  const int64_t stride = grid_stride(G, offset), kcap = std::max<int64_t>(1, GRID_KC / G) * G;
+  float* acc = scratch;
+  float* tile = scratch + M * GRID_ROWS * GL;
+  std::fill(acc, acc + M * GRID_ROWS * GL, 0.0f);
+  for (int64_t k0 = 0; k0 < K; k0 += kcap) {
+    const int64_t kc = std::min(kcap, K - k0);
+    for (int64_t g = 0; g < kc / G; ++g) {
+      const int8_t* p = blk + (k0 / G + g) * stride;
+      for (int j = 0; j < GRID_ROWS; ++j)
+        for (int64_t k = 0; k < G; k += GL) g_store(tile + j * kcap + g * G + k, grid_w(p, G, offset, j, k));
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += GRT)
+      grid_tile_chunk<GRT>(std::min<int64_t>(GRT, M - r0), x + r0 * K, K, tile, kcap, k0, kc,
+                           acc + r0 * GRID_ROWS * GL);
+  }
+  for (int64_t r = 0; r < M; ++r)
+    for (int j = 0; j < GRID_ROWS && n + j < N; ++j)
+      y[r * N + n + j] = g_hsum(g_load(acc + (r * GRID_ROWS + j) * GL)) + (bias ? bias[n + j] : 0.0f);
 }
 
 void check_grid(const torch::Tensor& packed, int64_t N, int64_t K, int64_t G, bool offset) {
@@ -897,12 +961,19 @@ torch::Tensor grid_mm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t 
   const int8_t* P = packed.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t block_bytes = (K / G) * grid_stride(G, offset), nblocks = (N + GRID_ROWS - 1) / GRID_ROWS;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk)
-      for (int64_t r0 = 0; r0 < M; r0 += GRM)
-        grid_chunk<GRM>(std::min<int64_t>(GRM, M - r0), xp + r0 * K, K, P + blk * block_bytes, G, offset,
-                        blk * GRID_ROWS, N, b, yp + r0 * N);
-  });
+  if (M <= GRM) {
+    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk)
+        grid_chunk<GRM>(M, xp, K, P + blk * block_bytes, G, offset, blk * GRID_ROWS, N, b, yp);
+    });
+  } else {
+    const int64_t scratch = M * GRID_ROWS * GL + GRID_ROWS * std::max<int64_t>(1, GRID_KC / G) * G;
+    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> buf(scratch);
+      for (int64_t blk = b0; blk < b1; ++blk)
+        grid_block_tiled(M, xp, K, P + blk * block_bytes, G, offset, blk * GRID_ROWS, N, b, yp, buf.data());
+    });
+  }
   return y.view(sizes);
 }
 
@@ -924,6 +995,31 @@ torch::Tensor grid_dequant(torch::Tensor packed, int64_t N, int64_t K, int64_t G
   return w;
 }
 
+// whether grid_dequant(packed, N, K, G, offset) equals weight (float32 [N, K]) in every element (as
+// torch.equal), without writing the dequantized copy: one read of each, stopping at the first difference
+bool grid_equals(torch::Tensor packed, int64_t N, int64_t K, int64_t G, bool offset, torch::Tensor weight) {
+  check_grid(packed, N, K, G, offset);
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.dim() == 2 && weight.size(0) == N && weight.size(1) == K,
+              "grid_equals: weight must be float32 [N, K]");
+  auto wc = weight.contiguous();
+  const int64_t groups = K / G, stride = grid_stride(G, offset), nblocks = (N + GRID_ROWS - 1) / GRID_ROWS;
+  const int8_t* P = packed.data_ptr<int8_t>();
+  const float* W = wc.data_ptr<float>();
+  std::atomic<bool> same{true};
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1 && same.load(std::memory_order_relaxed); ++blk)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int j = 0; j < GRID_ROWS && blk * GRID_ROWS + j < N; ++j)
+          for (int64_t k = 0; k < G; k += GL)
+            if (!g_equal(grid_w(P + (blk * groups + g) * stride, G, offset, j, k),
+                         g_load(W + (blk * GRID_ROWS + j) * K + g * G + k))) {
+              same.store(false, std::memory_order_relaxed);
+              return;
+            }
+  });
+  return same.load();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -936,6 +1032,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grid_pack", &grid_pack, "river-grid: int8 grid values with fp32 group scales (and offsets) into one stream per 4 rows");
   m.def("grid_mm", &grid_mm, "river-grid: fp32 rows times a packed grid weight, the fp32 product on the same weights");
   m.def("grid_dequant", &grid_dequant, "the fp32 weight grid_mm multiplies by");
+  m.def("grid_equals", &grid_equals, "whether the fp32 weight grid_mm multiplies by equals a given weight");
   m.def("attention_out", &attention_out, "Llama-family exit layer: SDPA, o product, norm, gate/up, silu*up, down");
   m.def("attend_one_token", &attend_one_token, "one query token's grouped-query attention over a cache slot");
   m.def("exit_stack", &exit_stack, "Llama-family exit layers of one decode step, KV cache slots updated, in one call");
