@@ -1,12 +1,13 @@
-"""river-hf's own products (river-int4's ``mm``, or river-fp32's ``dense_mm`` with ``--product
-dense``) against an earlier revision of their source: the same weights, the same inputs, both builds
+"""river-hf's own products (river-int4's ``mm``, river-fp32's ``dense_mm`` with ``--product dense``, or
+river-grid's ``grid_mm`` with ``--product grid``) against an earlier revision of their source: the same weights, the same inputs, both builds
 in one process, timed alternating.
 
 Builds ``src/river_hf/quant/csrc/river_int4.cpp`` as it is in the work tree and as it was at
 ``--baseline`` (a git revision, read with ``git show``), each with the flags river-hf uses for this CPU
 (``river_int4.INSTRUCTION_SETS``), into a temporary directory. For each weight shape (``in x out``;
 Qwen2.5-Coder-0.5B's exit shapes for int4, its backbone shapes for dense) it makes random weights
-(packed 4-bit, or fp32 as ``nn.Linear`` stores them; copies totalling ``--stream-mb`` MB, so they
+(packed 4-bit; fp32 as ``nn.Linear`` stores them; a Q4_K-like grid, int8 values with fp32 scales and
+offsets per 32 input channels, packed by the current build; copies totalling ``--stream-mb`` MB, so they
 stream from memory as in a decode step), and for each row count in ``--rows`` checks that both builds
 give the same floats bit for bit, then times one call per copy, ``--rounds`` rounds in alternating
 order after one untimed round: median and min-max µs per call, GB/s of weight bytes and GFLOP/s.
@@ -16,6 +17,8 @@ JSON + PNG.
         --out docs/results/epyc-zen1-2core/int4_rows_4bf3929.json
     python benchmarks/probes/int4_rows.py --product dense --rows 1,2,4,8,16 --baseline eff03e5 \\
         --out docs/results/epyc-zen1-2core/dense_rows_eff03e5.json
+    python benchmarks/probes/int4_rows.py --product grid --rows 1,4,6,8,12,16 --baseline ec3ea4e \
+        --out docs/results/epyc-zen5-2core/grid_rows_ec3ea4e.json
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from pathlib import Path
 import torch
 
 SHAPES = {"int4": ((896, 1152), (896, 896), (896, 9728), (4864, 896), (896, 151936)),
-          "dense": ((896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936))}
+          "dense": ((896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936)),
+          "grid": ((896, 4864), (4864, 896), (1536, 8960), (8960, 1536))}  # the MLP shapes of Qwen2.5-Coder-0.5B / 1.5B
 SOURCE = Path("src/river_hf/quant/csrc/river_int4.cpp")
 
 
@@ -62,8 +66,8 @@ def build(name: str, source: Path, flags: list[str]):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", required=True, help="git revision of the source to compare with")
-    ap.add_argument("--product", choices=("int4", "dense"), default="int4",
-                    help="river-int4's packed 4-bit product (default) or river-fp32's dense_mm")
+    ap.add_argument("--product", choices=("int4", "dense", "grid"), default="int4",
+                    help="river-int4's packed 4-bit product (default), river-fp32's dense_mm or river-grid's grid_mm")
     ap.add_argument("--rows", default="1", help="row counts per call, a comma list (default: 1)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--stream-mb", type=float, default=64.0)
@@ -145,8 +149,9 @@ def main(argv=None) -> int:
         ax.bar([j + 0.4 * i for j in range(len(rows))], [r[name]["gb_per_s"] for r in rows], width=0.4,
                label=f"{name} ({args.baseline})" if name == "baseline" else name)
     ax.set_xticks([j + 0.2 for j in range(len(rows))], labels, fontsize=6)
-    ax.set_ylabel("GB/s of packed weights" if args.product == "int4" else "GB/s of fp32 weights")
-    ax.set_title(f"{'river-int4' if args.product == 'int4' else 'river-fp32 dense_mm'} ({isa}), rows {args.rows}")
+    ax.set_ylabel("GB/s of fp32 weights" if args.product == "dense" else "GB/s of packed weights")
+    title = {"int4": "river-int4", "dense": "river-fp32 dense_mm", "grid": "river-grid grid_mm"}[args.product]
+    ax.set_title(f"{title} ({isa}), rows {args.rows}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=100)
@@ -164,6 +169,13 @@ def _product(product: str, current, k: int, n: int, stream_mb: float, gen):
                                 (torch.randn(n, k // g, generator=gen) * 0.01).half(), g)
                    for _ in range(copies)]
         return (lambda m, x, w: m.mm(x, w, None, g, None, 0.0, False, None)), weights, weights[0].numel()
+    if product == "grid":
+        g = 32
+        copies = max(2, int(stream_mb * 1e6 // (k * n * 1.25)))
+        weights = [current.grid_pack(torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=gen),
+                                     torch.rand(n, k // g, generator=gen) * 0.01, torch.rand(n, k // g, generator=gen) * 0.01)
+                   for _ in range(copies)]
+        return (lambda m, x, w: m.grid_mm(x, w, n, k, g, True, None)), weights, weights[0].numel()
     copies = max(2, int(stream_mb * 1e6 // (k * n * 4)))
     weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
     return (lambda m, x, w: m.dense_mm(x, w, None)), weights, k * n * 4

@@ -8,9 +8,11 @@ dequantization computes from its blocks: ``fl(scale * q + offset)`` with an inte
 scale (and offset) per group of 16 or 32 input channels (gguf-py's ``dequantize_blocks``:
 ``d * q`` for Q4_0 / Q5_0 / Q8_0, ``d * q + m`` for Q4_1 / Q5_1, ``d * sc * q - dmin * m`` for Q4_K /
 Q5_K, ``d * sc * q`` for Q6_K). A decode step multiplies one row by every weight, so it costs the bytes
-it reads: the same weights held as int8 ``q`` with fp32 group scales are read 3.2x faster (on the 2-core
-AMD EPYC Zen 5, one row times a 1536 x 8960 weight: 319 µs against river-fp32's 1063, both streamed
-from memory; at 8 or more rows the products are compute-bound and the two are about even).
+it reads: the same weights held as int8 ``q`` with fp32 group scales are read about 3-4x faster. On the
+2-core AMD EPYC Zen 5, a 1536 x 8960 weight streamed from memory (``RiverFp32Linear.measure(...,
+grid=True)``, one run): one row 361 µs against river-fp32's 1472 and prepacked oneDNN's 1167; past a
+few rows the products turn compute-bound, and the grid's lead narrows (8 rows 899 µs against oneDNN's
+1485, 16 rows 1417 against 1901).
 
 Exactness: :func:`grid_weights` keeps a grid only when the C++ kernel's own dequantization
 (``grid_equals``: ``grid_dequant``'s fma, the product's) gives every element of the model's fp32 weight, so a

@@ -41,7 +41,8 @@ COST_ROWS = (1, 8, 16, 32, 64, 128)
 #: the grid takes calls up to the last count it won at, from one row on
 GRID_TIMED_ROWS = (1, 4, 8, 16)
 #: the rows river-grid takes unmeasured (``RIVER_HF_AUTOTUNE=0``): at one row it reads ~1/3 of the
-#: bytes (3.3x river-fp32 on the 2-core AMD EPYC Zen 5), at 4 rows 1.5x, at 8 even
+#: bytes; on the 2-core AMD EPYC Zen 5 it also won at 8 and 16 rows (:mod:`~river_hf.quant.grid`), but
+#: an AVX2 build runs passes of 2 rows (AVX-512: 6), untimed past 4
 GRID_PRIOR_ROWS = 4
 
 

@@ -768,12 +768,16 @@ torch::Tensor dense_mm(torch::Tensor x, torch::Tensor weight, c10::optional<torc
 // Packed layout (grid_pack): weight rows in blocks of GRID_ROWS (the last block padded with zero rows);
 // each block one contiguous stream of its K / G groups, a group being the block's GRID_ROWS x G int8 q
 // (row by row), then its GRID_ROWS scales, then (with offsets) its GRID_ROWS offsets: one sequential read
-// per block, which the hardware prefetcher follows (rows of separate q, scale and offset tensors read side
-// by side ran at 26 GB/s where dense_mm streams 44 on the same CPU).
+// per block (rows of separate q, scale and offset tensors read side by side ran at 26 GB/s where dense_mm
+// streams 44 on the same CPU), prefetched GRID_PREFETCH groups ahead.
+//
+// A call of M rows makes ceil(M / GRM) passes over each block, as even as they can be; each pass
+// dequantizes the block's weight vectors in registers once for its rows. Up to a few rows the product is
+// bound by the bytes it reads, past them by the fmas (the dequantizing ones included).
 constexpr int64_t GRID_ROWS = 4;
 #if defined(__AVX512F__)
 using gvec = __m512;
-constexpr int GL = 16, GRM = 4;
+constexpr int GL = 16, GRM = 6;  // 24 accumulators, 4 weight vectors and x in 32 registers
 inline gvec g_q(const int8_t* q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))); }
 inline gvec g_set1(float v) { return _mm512_set1_ps(v); }
 inline gvec g_zero() { return _mm512_setzero_ps(); }
@@ -803,6 +807,14 @@ inline gvec grid_w(const int8_t* p, int64_t G, bool offset, int j, int64_t k) {
   return g_fma(g_set1(sc[j]), g_q(p + j * G + k), offset ? g_set1(sc[GRID_ROWS + j]) : g_zero());
 }
 
+// Software prefetch of the block stream, in groups ahead (into the thread's next block: its blocks are one
+// contiguous stream), non-temporal as river-int4's (the weights are read once a step). On the 2-core AMD
+// EPYC Zen 5, one 1536 x 8960 weight at 8 rows, streamed: 1709 us without it, 1066 / 936 / 835 / 755 with
+// 8 / 16 / 32 / 64 groups ahead (one probe each, 64 within noise of 32). With GRM 6 (it was 4) the products
+// ran 1.6-3.6x faster at 4-16 rows than before, 0.95-1.65x at one row, bit for bit the same numbers
+// (benchmarks/probes/int4_rows.py --product grid). Prefetching changes no arithmetic.
+constexpr int64_t GRID_PREFETCH = 32;
+
 // R rows times one block of GRID_ROWS weight rows (n..n+GRID_ROWS-1, outputs past N not written)
 template <int R>
 void grid_block(const float* x, int64_t K, const int8_t* blk, int64_t G, bool offset, int64_t n, int64_t N,
@@ -814,6 +826,8 @@ void grid_block(const float* x, int64_t K, const int8_t* blk, int64_t G, bool of
     for (int j = 0; j < NW; ++j) acc[r][j] = g_zero();
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* p = blk + g * stride;
+    for (int64_t line = 0; line < stride; line += 64)  // GRID_PREFETCH groups ahead (into the next block)
+      _mm_prefetch(reinterpret_cast<const char*>(p + GRID_PREFETCH * stride + line), _MM_HINT_NTA);
     for (int64_t k = 0; k < G; k += GL) {
       gvec w[NW];
       for (int j = 0; j < NW; ++j) w[j] = grid_w(p, G, offset, j, k);
@@ -834,68 +848,6 @@ void grid_chunk(int64_t rows, const float* x, int64_t K, const int8_t* blk, int6
     if (rows == RM) return grid_block<RM>(x, K, blk, G, offset, n, N, bias, y);
     grid_chunk<RM - 1>(rows, x, K, blk, G, offset, n, N, bias, y);
   }
-}
-
-// Past GRM rows, grid_block would dequantize each weight vector once per GRM rows. grid_block_tiled
-// dequantizes a block's weights once, GRID_KC input channels at a time, into an L1 tile, and runs every row
-// from it in register tiles of GRT rows x GRID_ROWS outputs; the accumulators wait in `acc` between
-// chunks. Each (row, output) still sums over k in grid_block's order, lane by lane, with the same fma: the
-// numbers equal grid_block's bit for bit, whatever the call's rows.
-constexpr int64_t GRID_KC = 256;
-#if defined(__AVX512F__)
-constexpr int GRT = 6;  // 24 accumulators, 4 weight vectors and x in 32 registers
-#else
-constexpr int GRT = 2;  // 8 accumulators, 4 weight vectors and x in 16 registers
-#endif
-
-template <int R>
-void grid_tile_rows(const float* x, int64_t K, const float* tile, int64_t tile_stride, int64_t k0, int64_t kc,
-                    float* acc) {
-  gvec a[R][GRID_ROWS];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < GRID_ROWS; ++j) a[r][j] = g_load(acc + (r * GRID_ROWS + j) * GL);
-  for (int64_t k = 0; k < kc; k += GL) {
-    gvec w[GRID_ROWS];
-    for (int j = 0; j < GRID_ROWS; ++j) w[j] = g_load(tile + j * tile_stride + k);
-    for (int r = 0; r < R; ++r) {
-      const gvec xv = g_load(x + r * K + k0 + k);
-      for (int j = 0; j < GRID_ROWS; ++j) a[r][j] = g_fma(w[j], xv, a[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < GRID_ROWS; ++j) g_store(acc + (r * GRID_ROWS + j) * GL, a[r][j]);
-}
-
-template <int R>
-void grid_tile_chunk(int64_t rows, const float* x, int64_t K, const float* tile, int64_t tile_stride, int64_t k0,
-                     int64_t kc, float* acc) {
-  if constexpr (R >= 1) {
-    if (rows == R) return grid_tile_rows<R>(x, K, tile, tile_stride, k0, kc, acc);
-    grid_tile_chunk<R - 1>(rows, x, K, tile, tile_stride, k0, kc, acc);
-  }
-}
-
-// M rows times one block of GRID_ROWS weight rows; scratch holds M * GRID_ROWS * GL + GRID_ROWS * kcap floats
-void grid_block_tiled(int64_t M, const float* x, int64_t K, const int8_t* blk, int64_t G, bool offset, int64_t n,
-                      int64_t N, const float* bias, float* y, float* scratch) {
-  const int64_t stride = grid_stride(G, offset), kcap = std::max<int64_t>(1, GRID_KC / G) * G;
-  float* acc = scratch;
-  float* tile = scratch + M * GRID_ROWS * GL;
-  std::fill(acc, acc + M * GRID_ROWS * GL, 0.0f);
-  for (int64_t k0 = 0; k0 < K; k0 += kcap) {
-    const int64_t kc = std::min(kcap, K - k0);
-    for (int64_t g = 0; g < kc / G; ++g) {
-      const int8_t* p = blk + (k0 / G + g) * stride;
-      for (int j = 0; j < GRID_ROWS; ++j)
-        for (int64_t k = 0; k < G; k += GL) g_store(tile + j * kcap + g * G + k, grid_w(p, G, offset, j, k));
-    }
-    for (int64_t r0 = 0; r0 < M; r0 += GRT)
-      grid_tile_chunk<GRT>(std::min<int64_t>(GRT, M - r0), x + r0 * K, K, tile, kcap, k0, kc,
-                           acc + r0 * GRID_ROWS * GL);
-  }
-  for (int64_t r = 0; r < M; ++r)
-    for (int j = 0; j < GRID_ROWS && n + j < N; ++j)
-      y[r * N + n + j] = g_hsum(g_load(acc + (r * GRID_ROWS + j) * GL)) + (bias ? bias[n + j] : 0.0f);
 }
 
 void check_grid(const torch::Tensor& packed, int64_t N, int64_t K, int64_t G, bool offset) {
@@ -961,19 +913,14 @@ torch::Tensor grid_mm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t 
   const int8_t* P = packed.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t block_bytes = (K / G) * grid_stride(G, offset), nblocks = (N + GRID_ROWS - 1) / GRID_ROWS;
-  if (M <= GRM) {
-    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk)
-        grid_chunk<GRM>(M, xp, K, P + blk * block_bytes, G, offset, blk * GRID_ROWS, N, b, yp);
-    });
-  } else {
-    const int64_t scratch = M * GRID_ROWS * GL + GRID_ROWS * std::max<int64_t>(1, GRID_KC / G) * G;
-    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> buf(scratch);
-      for (int64_t blk = b0; blk < b1; ++blk)
-        grid_block_tiled(M, xp, K, P + blk * block_bytes, G, offset, blk * GRID_ROWS, N, b, yp, buf.data());
-    });
-  }
+  // passes of at most GRM rows over each block, as even as they can be (8 rows: 4 + 4, not 6 + 2)
+  const int64_t passes = (M + GRM - 1) / GRM, per_pass = (M + passes - 1) / passes;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk)
+      for (int64_t r0 = 0; r0 < M; r0 += per_pass)
+        grid_chunk<GRM>(std::min<int64_t>(per_pass, M - r0), xp + r0 * K, K, P + blk * block_bytes, G, offset,
+                        blk * GRID_ROWS, N, b, yp + r0 * N);
+  });
   return y.view(sizes);
 }
 
