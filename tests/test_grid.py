@@ -90,6 +90,7 @@ def test_a_row_gets_the_same_numbers_whatever_the_calls_other_rows(group):
             x = torch.randn(rows, in_features, generator=gen)
             alone = torch.cat([grid.mm(x[r:r + 1], bias) for r in range(rows)])
             assert torch.equal(grid.mm(x, bias), alone), rows
+        assert grid.mm(torch.randn(0, in_features), bias).shape == (0, out_features)  # no rows: no passes
 
 
 def test_a_bad_group_size_is_refused():

@@ -826,7 +826,7 @@ void grid_block(const float* x, int64_t K, const int8_t* blk, int64_t G, bool of
     for (int j = 0; j < NW; ++j) acc[r][j] = g_zero();
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* p = blk + g * stride;
-    for (int64_t line = 0; line < stride; line += 64)  // GRID_PREFETCH groups ahead (into the next block)
+    for (int64_t line = 0; line < stride; line += 64)  // GRID_PREFETCH groups ahead (never faults past the end)
       _mm_prefetch(reinterpret_cast<const char*>(p + GRID_PREFETCH * stride + line), _MM_HINT_NTA);
     for (int64_t k = 0; k < G; k += GL) {
       gvec w[NW];
@@ -914,7 +914,7 @@ torch::Tensor grid_mm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t 
   float* yp = y.data_ptr<float>();
   const int64_t block_bytes = (K / G) * grid_stride(G, offset), nblocks = (N + GRID_ROWS - 1) / GRID_ROWS;
   // passes of at most GRM rows over each block, as even as they can be (8 rows: 4 + 4, not 6 + 2)
-  const int64_t passes = (M + GRM - 1) / GRM, per_pass = (M + passes - 1) / passes;
+  const int64_t passes = (M + GRM - 1) / GRM, per_pass = passes > 0 ? (M + passes - 1) / passes : 1;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk)
       for (int64_t r0 = 0; r0 < M; r0 += per_pass)
