@@ -5,6 +5,7 @@ and lossless verify read the grid, τ > 1 never does, and lossless stays token-i
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -167,6 +168,11 @@ def test_backbone_grid_setting_is_checked(tmp_path):
         RiverConfig(backbone_grid="~/no-such-river-grid.gguf")  # ~ is expanded, then looked for
     with pytest.raises(RiverError, match="backbone_grid"):
         RiverConfig(backbone_grid=3)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a GGUF file")
+    for bad, why in ((str(text), "not a GGUF file"), (str(tmp_path), "a directory"), ("", "an empty path")):
+        with pytest.raises(RiverError, match=why):
+            RiverConfig(backbone_grid=bad)
     assert RiverConfig(backbone_grid="off").backbone_grid == "off"
 
 
@@ -222,8 +228,13 @@ def test_the_cli_flag_is_checked_before_any_model_loads(tmp_path, smollm2_gguf):
     cli_args.add_river_arguments(parser)
     assert cli_args.river_overrides(parser.parse_args(["--backbone-grid", "off"])) == {"backbone_grid": "off"}
     assert cli_args.river_overrides(parser.parse_args(["--backbone-grid", smollm2_gguf])) == {"backbone_grid": smollm2_gguf}
-    with pytest.raises(RiverError, match="--backbone-grid: no GGUF file"):
+    with pytest.raises(RiverError, match="--backbone-grid .*nope.gguf': no such file"):
         cli_args.river_overrides(parser.parse_args(["--backbone-grid", str(tmp_path / "nope.gguf")]))
+    readme = tmp_path / "README.md"
+    readme.write_text("# not a GGUF file")
+    for bad, why in ((str(readme), "not a GGUF file"), (str(tmp_path), "a directory"), ("", "an empty path")):
+        with pytest.raises(RiverError, match=f"--backbone-grid .*: {why}"):
+            cli_args.river_overrides(parser.parse_args(["--backbone-grid", bad]))
     assert "backbone_grid" in RIVER_SETTINGS
 
 
@@ -231,7 +242,7 @@ def test_a_named_file_that_gives_no_grid_warns_and_changes_nothing(tmp_path, smo
     from river_hf import RiverForCausalLM
 
     not_gguf = tmp_path / "notes.gguf"
-    not_gguf.write_text("not a GGUF file")
+    not_gguf.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)  # GGUF's magic, then a broken header
     river = RiverForCausalLM.from_pretrained(smollm2_path, tau=0.9, backbone_kernel="river-fp32",
                                              backbone_grid=str(not_gguf))
     with pytest.warns(UserWarning, match="could not be read as a GGUF file.*fp32 weights"):
@@ -271,9 +282,19 @@ def test_the_gguf_tensor_table_is_kept_after_the_first_read(tmp_path, monkeypatc
         assert t.format == ref.tensor_type.name and t.shape == tuple(int(d) for d in ref.shape)
         assert np.array_equal(t.data, np.asarray(ref.data).reshape(-1).view(np.uint8))
     (index,) = (tmp_path / "cache" / "gguf-index").iterdir()
-    index.write_text("{not json")
-    gguf_index.gguf_tensors(str(path))
-    assert len(parsed) == 2
+    kept = index.read_text()
+    table = json.loads(kept)
+    broken = ["{not json", "[]", "null", "42", json.dumps({**table, "tensors": []}),
+              json.dumps({**table, "architecture": 3}),
+              json.dumps({**table, "tensors": [[*table["tensors"][0][:3], -1, table["tensors"][0][4]]]}),
+              json.dumps({**table, "tensors": [[table["tensors"][0][0], table["tensors"][0][1], None, 0, 1]]})]
+    for n, text in enumerate(broken, start=2):  # each is parsed again (and the table kept again)
+        index.write_text(text)
+        assert gguf_index.gguf_tensors(str(path))[1].keys() == reference.keys()
+        assert len(parsed) == n and json.loads(index.read_text()) == table, text
+    parsed.clear()
+    parsed.append(None)
+    parsed.append(None)
     path.write_bytes(path.read_bytes())  # a new modification time: the kept table is not this file's
     os.utime(path, ns=(1, 1))
     gguf_index.gguf_tensors(str(path))

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 from .errors import RiverError
+from .files import gguf_file_problem
 
 __all__ = ["positive_int", "KERNEL_CHOICES", "EXIT_LAYER_IMPLS", "add_river_arguments", "river_overrides", "parse_taus",
            "negative_tau_note", "negative_tau_noted", "check_output_path", "check_writable_place", "existing_report"]
@@ -92,8 +93,9 @@ def river_overrides(args) -> dict:
         if value is not None:
             out[name] = value
     grid = out.get("backbone_grid")
-    if grid is not None and grid not in ("auto", "off") and not os.path.isfile(os.path.expanduser(grid)):
-        raise RiverError(f"--backbone-grid: no GGUF file {grid!r} (give auto, off or the file the model was converted from)")
+    problem = gguf_file_problem(grid) if grid is not None and grid not in ("auto", "off") else None
+    if problem:
+        raise RiverError(f"--backbone-grid {grid!r}: {problem} (give auto, off or the GGUF file the model was converted from)")
     head = getattr(args, "exit_head", None)
     if head is not None:
         out["exit_head"] = None if head == "none" else head

@@ -1,4 +1,4 @@
-"""Writing files safely, and where river-hf keeps its cache: the bottom of the package.
+"""Writing files safely, where river-hf keeps its cache, and whether a file is a GGUF: the bottom of the package.
 
 Imports nothing of river-hf, so every module (``models``, ``quant``, ``eval``, the benchmarks)
 can use it without an import cycle.
@@ -11,7 +11,32 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write", "write_json", "save_figure", "cache_dir", "share_like_umask"]
+__all__ = ["atomic_write", "write_json", "save_figure", "cache_dir", "share_like_umask", "gguf_file_problem",
+           "GGUF_MAGIC"]
+
+#: the first four bytes of every GGUF file (gguf-py's ``GGUF_MAGIC``, 0x46554747 little-endian)
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_file_problem(path: str) -> str | None:
+    """Why ``path`` (``~`` expanded) cannot be a GGUF file, or None when it begins as one does:
+    ``an empty path``, ``no such file``, ``a directory``, ``cannot be read (...)`` or ``not a GGUF
+    file (...)``. Reads four bytes; the rest of the file is gguf-py's to judge."""
+    if not path:
+        return "an empty path"
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return "a directory, not a GGUF file"
+    if not p.is_file():
+        return "no such file"
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if head != GGUF_MAGIC:
+        return "not a GGUF file (it does not begin with GGUF's magic bytes)"
+    return None
 
 
 def cache_dir() -> Path:

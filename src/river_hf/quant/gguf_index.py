@@ -48,16 +48,34 @@ def _index_path(path: str):
     return cache_dir() / "gguf-index" / f"{key}.json", st.st_size
 
 
+def _usable(index, size: int) -> bool:
+    """Whether ``index`` (parsed JSON) is a table this version wrote for a file of ``size`` bytes:
+    every entry a name, a format, a shape of non-negative integers and a byte range inside the file,
+    and at least one entry."""
+    if not isinstance(index, dict) or index.get("version") != _INDEX_VERSION or index.get("size") != size:
+        return False
+    arch, tensors = index.get("architecture"), index.get("tensors")
+    if not (arch is None or isinstance(arch, str)) or not isinstance(tensors, list) or not tensors:
+        return False
+    for entry in tensors:
+        if not (isinstance(entry, list) and len(entry) == 5):
+            return False
+        name, fmt, shape, offset, n_bytes = entry
+        ints = [offset, n_bytes, *(shape if isinstance(shape, list) else [None])]
+        if not (isinstance(name, str) and isinstance(fmt, str) and isinstance(shape, list)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints)
+                and offset + n_bytes <= size):
+            return False
+    return True
+
+
 def _read_index(index_path, size: int) -> dict | None:
+    """The kept table, or None: none yet, or one that cannot be used (the file is parsed again)."""
     try:
         index = json.loads(index_path.read_text())
-        if index.get("version") != _INDEX_VERSION or index.get("size") != size:
-            return None
-        if any(offset + n_bytes > size for _, _, _, offset, n_bytes in index["tensors"]):
-            return None
-        return index
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # no index yet, or one that cannot be used: parse the file again
+    except (OSError, ValueError):
+        return None
+    return index if _usable(index, size) else None
 
 
 def gguf_tensors(path: str) -> tuple[str | None, dict[str, GGUFTensor]]:
@@ -67,7 +85,8 @@ def gguf_tensors(path: str) -> tuple[str | None, dict[str, GGUFTensor]]:
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: it is not a GGUF file (gguf-py's error).
+        ValueError: it is not a GGUF file (gguf-py's error); a broken one raises whatever gguf-py's
+            parse meets (``ValueError``, ``IndexError``, ...).
     """
     index_path, size = _index_path(path)
     index = _read_index(index_path, size)

@@ -85,7 +85,7 @@ def backbone_grids(model, memory_limit: int | None) -> tuple[dict, dict]:
         linears = within
     try:
         grids, read = grid_weights(model, path, linears)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # a broken file raises whatever gguf-py's parse meets (ValueError, IndexError, ...)
         grids, read = {}, {"kept": 0, "skipped": {}, "bytes": 0}
         info["why"] = f"{path} could not be read as a GGUF file ({type(e).__name__}: {e})"
     info.update(source=path, kept=read["kept"], skipped=len(read["skipped"]), bytes=read["bytes"])

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import RiverError
-from ..files import atomic_write
+from ..files import atomic_write, gguf_file_problem
 from ..models import REGISTRY
 from ..quant import get_backend
 from .controllers import ExitRuleList, MinLayerRule, StateTransitionSimilarityRule, rules_from_config
@@ -302,11 +302,12 @@ class RiverConfig:
             raise RiverError(f"verify_kernel must be one of {', '.join(VERIFY_KERNELS)}, got {self.verify_kernel!r}")
         if self.backbone_kernel not in VERIFY_KERNELS:
             raise RiverError(f"backbone_kernel must be one of {', '.join(VERIFY_KERNELS)}, got {self.backbone_kernel!r}")
-        if not isinstance(self.backbone_grid, str) or (self.backbone_grid not in ("auto", "off")
-                                                       and not Path(self.backbone_grid).expanduser().is_file()):
+        if not isinstance(self.backbone_grid, str):
+            raise RiverError(f"backbone_grid must be 'auto', 'off' or a GGUF file's path, got {self.backbone_grid!r}")
+        problem = gguf_file_problem(self.backbone_grid) if self.backbone_grid not in ("auto", "off") else None
+        if problem:
             raise RiverError(f"backbone_grid must be 'auto', 'off' or the path of the GGUF file the model was "
-                             f"converted from (no such file: {self.backbone_grid!r})" if isinstance(self.backbone_grid, str)
-                             else f"backbone_grid must be 'auto', 'off' or a GGUF file's path, got {self.backbone_grid!r}")
+                             f"converted from ({problem}: {self.backbone_grid!r})")
         if self.offload_from is not None and (not isinstance(self.offload_from, int) or self.offload_from < 0):
             raise RiverError(f"offload_from must be a layer index >= 0 or None, got {self.offload_from!r}")
         if self.kernel_choice is not None and not (
