@@ -28,6 +28,11 @@ cost lands in the non-product categories, so each mode also gets its non-product
 times ``exit`` and ``river`` with each against the unmodified model: one warm-up, ``--repeats``
 alternating rounds, median and min-max.
 
+**Exit pass** (``--exit-pass``): ``exit`` and ``lossless`` (the model's own settings) with the decoder
+stack's exit-mode pass (``river_hf.river.exit_pass``) and with the architecture's forward in its
+place, timed by ``river_hf.timing.compare`` (one warm-up, ``--repeats`` rounds, alternating order,
+against ``exit`` on the architecture's forward), and the step profile of ``exit`` with each.
+
 The 1-minute load average is recorded before and after (``river_hf.quant.autotune.load_average``);
 on a loaded machine the timings mean little.
 
@@ -166,6 +171,49 @@ def fusion(model, plain, inputs: dict, gen: dict, repeats: int) -> dict:
     return comparison.to_dict()
 
 
+def exit_pass(model, plain, inputs: dict, gen: dict, repeats: int) -> dict:
+    """Decode tokens/s of ``exit`` and ``lossless`` with the decoder stack's exit-mode pass
+    (``river_hf.river.exit_pass.ExitPass``) and with the architecture's own forward in its place, and the
+    step profile of ``exit`` with each: ``river_hf.timing.compare``, one warm-up, ``repeats`` rounds, each
+    configuration once per round in alternating order, against ``exit`` on the architecture's forward."""
+    from river_hf.river.exit_pass import ExitPass
+    from river_hf.timing import compare, measure_generate
+
+    stack = model.model
+    installed = stack.__dict__["forward"]
+    assert isinstance(installed, ExitPass)
+    profiles: dict[str, list] = {}
+
+    def run(mode: str, on: bool):
+        if not on:
+            del stack.__dict__["forward"]
+        try:
+            with model.river_mode(mode):
+                measured = measure_generate(model, inputs, **gen)
+                if mode == "exit":
+                    with StepProfiler(model) as prof:
+                        measure_generate(model, inputs, **gen)
+                    label = "exit pass" if on else "architecture forward"
+                    profiles.setdefault(label, []).append(step_rows(prof.passes, "exit")["exit"]["ms"])
+                return measured
+        finally:
+            stack.__dict__["forward"] = installed
+
+    configs = {"fully quantized, architecture forward": lambda: run("exit", False),
+               "fully quantized, exit pass": lambda: run("exit", True),
+               "lossless, architecture forward": lambda: run("lossless", False),
+               "lossless, exit pass": lambda: run("lossless", True)}
+    comparison = compare(configs, reference="fully quantized, architecture forward", repeats=repeats,
+                         interleave=False, progress=True,
+                         reference_kind="the fully quantized model on the architecture's forward")
+    print(comparison.table())
+    report = comparison.to_dict()
+    # the warm-up's profile is the first of each list; the medians are over the timed rounds
+    report["exit_profile_ms"] = {label: {c: statistics.median(run[c] for run in runs[1:]) for c in CATEGORIES}
+                                 for label, runs in profiles.items()}
+    return report
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -212,7 +260,9 @@ def main(argv=None) -> int:
     p.add_argument("--draft-tokens", type=int, default=4, help="lossless: constant draft length k")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--fusion", action="store_true", help="also time fused against unfused exit layers")
-    p.add_argument("--no-profile", action="store_true", help="skip the step profile (only --fusion)")
+    p.add_argument("--exit-pass", action="store_true",
+                   help="also time exit and lossless with the decoder stack's exit pass and without it")
+    p.add_argument("--no-profile", action="store_true", help="skip the step profile (only --fusion / --exit-pass)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a RiverConfig field for the build (JSON value), e.g. fuse_projections=false")
     p.add_argument("--out", default=None, help="JSON path (default docs/results/step_profile_<model>.json)")
@@ -256,6 +306,8 @@ def main(argv=None) -> int:
             report["profile"] = profile(model, plain, inputs, gen, args.repeats, args.draft_tokens)
         if args.fusion:
             report["fusion"] = fusion(model, plain, inputs, gen, args.repeats)
+        if args.exit_pass:
+            report["exit_pass"] = exit_pass(model, plain, inputs, gen, args.repeats)
     report["load_after"] = load_average()
     out = Path(args.out or Path(__file__).resolve().parent.parent / "docs" / "results" / f"step_profile_{args.model}.json")
     from river_hf.files import write_json

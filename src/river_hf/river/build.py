@@ -36,6 +36,7 @@ from ..quant.fused import fuse_projections, fused_groups
 from .arch import SUPPORTED_MODEL_TYPES, base_class, decoder_stack, is_river_class
 from .config import RiverConfig, default_config, warn_if_negative_tau
 from .controllers import ExitRule, ExitRuleList, MinLayerRule, StateTransitionSimilarityRule
+from .exit_pass import install_exit_pass
 from .fused_layer import fused_exit_layer
 from . import fused_llama  # noqa: F401  (registers the Llama / Qwen2 / Mistral fused exit layer)
 from . import lossless
@@ -144,6 +145,9 @@ def build_exit_path(model: nn.Module, config: RiverConfig, rule_list: ExitRuleLi
     if config.offload_from is not None:  # backbones not already offloaded at load (see offload.py)
         offload_backbone(layers, config.offload_from, config.offload_dir)
     hooks = _register_router_hooks(stack, router)
+    exit_pass = install_exit_pass(stack, router)  # exit-mode one-token passes without the stack's glue
+    if exit_pass is not None:
+        hooks.append(exit_pass)
     head = model.get_output_embeddings()
     # the Linears of model.river_backbone_modules(): the kernel modes reroute only those
     backbones = [layer.backbone if isinstance(layer, RiverLayer) else layer for layer in layers]

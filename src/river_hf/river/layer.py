@@ -155,6 +155,11 @@ class RiverRouter:
     def exit_layer(self) -> int:
         return self._local.exit_layer
 
+    @property
+    def stacked_layers(self) -> int:
+        """How many decoder layers this thread's pass in flight ran in one exit stack so far (0: none)."""
+        return self._local.stacked
+
     def row_exit_layers(self, batch: int) -> list[int]:
         """Exit layer of each of the ``batch`` rows of this thread's pass in flight."""
         local = self._local
