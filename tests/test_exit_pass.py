@@ -172,3 +172,21 @@ def test_disable_river_gives_the_stack_its_own_forward(kernel):
     assert isinstance(stack.__dict__["forward"], ExitPass)
     disable_river(river)
     assert "forward" not in stack.__dict__
+
+
+def test_a_stack_with_a_forward_of_its_own_keeps_it(kernel):
+    """accelerate's hooks put a ``forward`` on the module itself; the exit pass must not hide it."""
+    model = _tiny("llama")
+    calls = []
+    own = model.model.forward
+
+    def hooked(*args, **kwargs):
+        calls.append(1)
+        return own(*args, **kwargs)
+
+    model.model.forward = hooked
+    river = _river(model)
+    assert river.model.__dict__["forward"] is hooked
+    with river.river_mode("exit"):
+        river.generate(**_inputs(1), max_new_tokens=2, do_sample=False)
+    assert len(calls) == 2

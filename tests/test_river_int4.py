@@ -389,16 +389,18 @@ def _stacked_and_layer_by_layer(river, monkeypatch, mode: str, cache=None, **gen
 
 
 @pytest.mark.filterwarnings("ignore:tau=-2 is negative")
-@pytest.mark.parametrize("mode,batch", [("exit", 1), ("exit", 3), ("route", 1), ("lossless", 1)])
+@pytest.mark.parametrize("mode,batch,prompt", [("exit", 1, 9), ("exit", 3, 9), ("exit", 3, 100), ("route", 1, 9),
+                                                ("lossless", 1, 9)])
 def test_a_decode_step_runs_the_exit_layers_after_the_exit_in_one_call_with_the_same_numbers(
-        kernel, tiny_llama, monkeypatch, mode, batch):
+        kernel, tiny_llama, monkeypatch, mode, batch, prompt):
     """After the exit, a decode step's exit layers run in one call (``exit_stack``: each layer's
     attention_in, its cache slot's update as DynamicLayer.update does it, River's one-token attention
     and the layer's tail): the same functions in the same order as the per-layer calls, so the same
     tokens, logits and KV cache bit for bit; exit mode (a left-padded batch too), route mode exiting
     after layer 1 (tau -2), lossless drafts. The cache is River's own (slots that grow in place, here
     with room for 2 positions, so the stack's writes cross allocations) or transformers'
-    ``DynamicCache`` (the stack concatenates as ``DynamicLayer.update`` does): the same numbers."""
+    ``DynamicCache`` (the stack concatenates as ``DynamicLayer.update`` does): the same numbers. A
+    100-token prompt in a batch of 3 gives the attention enough work for both threads."""
     from transformers import DynamicCache
 
     from river_hf import enable_river
@@ -408,7 +410,7 @@ def test_a_decode_step_runs_the_exit_layers_after_the_exit_in_one_call_with_the_
     config = RiverConfig(tau=-2.0, min_layer=1, backend="river-int4", exit_head="river-int4",
                          exit_layer_impl="fused", fuse_projections=True, draft_tokens=3, prompt_lookup_tokens=0)
     river = enable_river(tiny_llama(), config=config)
-    ids = torch.randint(3, 256, (batch, 9), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(3, 256, (batch, prompt), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
     if batch > 1:
         ids[0, :4], mask[0, :4] = 0, 0  # left padding: a [batch, 1, 1, L] mask each step
@@ -499,3 +501,17 @@ def test_the_exit_stack_reads_the_live_layers_their_hooks_and_their_current_weig
     (seq, _, _, calls), (seq_ref, _, _, _) = _stacked_and_layer_by_layer(river, monkeypatch, "exit",
                                                                         input_ids=ids, max_new_tokens=4)
     assert "exit_stack" not in calls and torch.equal(seq, seq_ref)
+
+
+def test_its_argmax_is_torchs(kernel):
+    """The first index of the largest value per row; ties, -inf rows, a NaN (torch counts it as the largest)
+    and rows shorter than a vector."""
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randn(4, 151936, generator=gen), torch.randn(3, 7, generator=gen), torch.randn(2, 33, generator=gen)]
+    tied = torch.zeros(2, 100)
+    tied[0, [17, 40, 90]] = 5.0
+    tied[1] = float("-inf")
+    nan = torch.randn(2, 50, generator=gen)
+    nan[0, 31], nan[0, 3], nan[1, 48] = float("nan"), float("nan"), float("nan")
+    for x in rows + [tied, nan, torch.randn(5, 40, generator=gen)[:, ::2]]:
+        assert torch.equal(river_int4.argmax(x), torch.argmax(x, dim=-1))

@@ -145,8 +145,9 @@ class _Installed:
 def install_exit_pass(stack: nn.Module, router) -> _Installed | None:
     """Make an :class:`ExitPass` the ``forward`` of ``stack`` (an instance attribute; the class's
     ``forward`` is untouched) when it has the modules the pass calls (``embed_tokens``, ``rotary_emb``,
-    ``norm``); returns the handle that removes it, or None (nothing installed)."""
-    if not all(isinstance(getattr(stack, name, None), nn.Module) for name in _CALLED):
+    ``norm``) and no ``forward`` of its own already (accelerate's hooks put one there, which the pass
+    must not hide); returns the handle that removes it, or None (nothing installed)."""
+    if "forward" in stack.__dict__ or not all(isinstance(getattr(stack, name, None), nn.Module) for name in _CALLED):
         return None
     stack.__dict__["forward"] = ExitPass(stack, router)
     return _Installed(stack)

@@ -105,7 +105,8 @@ class StackPlan:
                 eps.append(norm.variance_epsilon)
         self.args = (packed, bias, group, norms, eps)
         self.indices = [layer.layer_index for layer in layers]
-        self.configs = tuple(layer.attn_config for layer in layers)
+        # each distinct attention config once (the layers usually share one): its implementation is read per step
+        self.configs = tuple({id(layer.attn_config): layer.attn_config for layer in layers}.values())
         self.hooks = tuple(hooks)
         self.dicts, self.names, self.objects = tuple(dicts), tuple(names), tuple(objects)
 

@@ -203,4 +203,54 @@ inline void attend_group(const float* q, int64_t qs, int64_t rep, const float* k
   }
 }
 
+// torch.argmax of one row x [V] (V >= 1): the first index of the largest value, a NaN counting as larger than
+// any number (so the first NaN's index). Eight lanes, each keeping its first largest value and its index
+// (strictly greater replaces), then the lanes' largest with the smallest index, then the tail.
+inline int64_t argmax_row(const float* x, int64_t V) {
+  auto first_nan = [&]() -> int64_t {
+    for (int64_t j = 0; j < V; ++j)
+      if (x[j] != x[j]) return j;
+    return -1;
+  };
+  int64_t best_i = 0;
+  float best_v = x[0];
+  int64_t i = 1;
+  if (V >= 16) {
+    __m256 best = _mm256_loadu_ps(x);
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), bidx = idx;
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+    for (i = 8; i + 8 <= V; i += 8) {
+      idx = _mm256_add_epi32(idx, step);
+      const __m256 v = _mm256_loadu_ps(x + i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+      best = _mm256_blendv_ps(best, v, gt);
+      bidx = _mm256_blendv_epi8(bidx, idx, _mm256_castps_si256(gt));
+    }
+    if (_mm256_movemask_ps(nan)) return first_nan();
+    alignas(32) float bv[8];
+    alignas(32) int32_t bi[8];
+    _mm256_store_ps(bv, best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bi), bidx);
+    best_v = bv[0];
+    best_i = bi[0];
+    for (int j = 1; j < 8; ++j)
+      if (bv[j] > best_v || (bv[j] == best_v && bi[j] < best_i)) {
+        best_v = bv[j];
+        best_i = bi[j];
+      }
+  } else if (x[0] != x[0]) {
+    return 0;
+  }
+  for (; i < V; ++i) {
+    if (x[i] != x[i]) return first_nan();
+    if (x[i] > best_v) {
+      best_v = x[i];
+      best_i = i;
+    }
+  }
+  return best_i;
+}
+
 }  // namespace river_ops

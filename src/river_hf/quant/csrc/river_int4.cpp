@@ -380,6 +380,48 @@ inline void block_rows<1>(const Block& blk, const Rows& r) {
 }
 #endif
 
+// y [M, N] = x [M, K] (float, contiguous) times the packed weights (plus bias [N] and residual [M, N] when
+// not null), K = packed.size(1) * G: the activations' int8 quantization and the blocks' dot products, timed
+// by the product clock. What mm and the exit stack's rows both call, so they compute the same numbers.
+void product_rows(const float* x, int64_t M, const torch::Tensor& packed, const float* b, int64_t G,
+                  const float* resp, float* yp) {
+  const int64_t NB = packed.size(0), groups = packed.size(1), K = groups * G, N = NB * kLanes;
+  ProductTimer timer;  // from here to the return: the product
+  // the quantized activations in this thread's scratch buffers (reused from call to call: no allocations)
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> xs, xsum;
+  thread_local std::vector<int32_t> qsum;
+  if (qx.size() < static_cast<size_t>(M * K)) qx.resize(M * K);
+  if (xs.size() < static_cast<size_t>(M * groups)) {
+    xs.resize(M * groups);
+    xsum.resize(M * groups);
+    qsum.resize(M * groups);
+  }
+  quantize_rows(x, M, K, G, qx.data(), xs.data(), xsum.data(), qsum.data());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int8_t* qxp = qx.data();
+  const float* xsp = xs.data();
+  const float* xsump = xsum.data();
+  const int32_t* qsump = qsum.data();
+  const int64_t block_bytes = groups * group_bytes(G);
+  // one weight stream per block; a few blocks per task keep the two threads' streams long
+  at::parallel_for(0, NB, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
+        const Block blk{w + nb * block_bytes, b ? b + nb * kLanes : nullptr, groups, G};
+        const Rows r{qxp + m * K, xsp + m * groups, xsump + m * groups, qsump + m * groups,
+                     resp ? resp + m * N + nb * kLanes : nullptr, yp + m * N + nb * kLanes, K, groups, N};
+        switch (rows) {
+          case 1: block_rows<1>(blk, r); break;
+          case 2: block_rows<2>(blk, r); break;
+          case 3: block_rows<3>(blk, r); break;
+          default: block_rows<4>(blk, r); break;
+        }
+      }
+  });
+}
+
 // packed: uint8 [N / 16, K / G, G * 8 + 64] (river_int4_pack); bias float [N] or none.
 // With ``silu_mul``: x is [M, 2K] = [gate | up] and the product's input is silu(gate) * up; with ``norm``
 // (float [K]): the input is RMS-normalized first (eps ``eps``, rms_norm_rows); with ``residual`` (float
@@ -408,44 +450,9 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Ten
                 "river_int4_mm: the residual must be float [M, out_features]");
     res = residual->contiguous();
   }
-  const float* resp = res.has_value() ? res->data_ptr<float>() : nullptr;
-  ProductTimer timer;  // from here to the return: the product
-  // the quantized activations in this thread's scratch buffers (reused from call to call: no allocations)
-  thread_local std::vector<int8_t> qx;
-  thread_local std::vector<float> xs, xsum;
-  thread_local std::vector<int32_t> qsum;
-  if (qx.size() < static_cast<size_t>(M * K)) qx.resize(M * K);
-  if (xs.size() < static_cast<size_t>(M * groups)) {
-    xs.resize(M * groups);
-    xsum.resize(M * groups);
-    qsum.resize(M * groups);
-  }
-  quantize_rows(xf.data_ptr<float>(), M, K, G, qx.data(), xs.data(), xsum.data(), qsum.data());
   auto y = torch::empty({M, N}, torch::kFloat);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const int8_t* qxp = qx.data();
-  const float* xsp = xs.data();
-  const float* xsump = xsum.data();
-  const int32_t* qsump = qsum.data();
-  float* yp = y.data_ptr<float>();
-  const int64_t block_bytes = groups * group_bytes(G);
-  // one weight stream per block; a few blocks per task keep the two threads' streams long
-  at::parallel_for(0, NB, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb)
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
-        const Block blk{w + nb * block_bytes, b ? b + nb * kLanes : nullptr, groups, G};
-        const Rows r{qxp + m * K, xsp + m * groups, xsump + m * groups, qsump + m * groups,
-                     resp ? resp + m * N + nb * kLanes : nullptr, yp + m * N + nb * kLanes, K, groups, N};
-        switch (rows) {
-          case 1: block_rows<1>(blk, r); break;
-          case 2: block_rows<2>(blk, r); break;
-          case 3: block_rows<3>(blk, r); break;
-          default: block_rows<4>(blk, r); break;
-        }
-      }
-  });
+  product_rows(xf.data_ptr<float>(), M, packed, bias.has_value() ? bias->data_ptr<float>() : nullptr, G,
+               res.has_value() ? res->data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y;
 }
 
@@ -600,6 +607,131 @@ void write_position(const torch::Tensor& buf, const torch::Tensor& src, int64_t 
                   sp + b * src.stride(0) + h * src.stride(1), d * sizeof(float));
 }
 
+// exit_stack on growing cache slots (length >= 0), without a tensor per intermediate: each layer's
+// activations live in this thread's scratch rows, and every step calls the same loops in the same order as
+// attention_in, attend_one_token and layer_tail (rms_norm_rows, product_rows, the rotary loop,
+// river_ops::attend_group, silu_mul_rows), so the same numbers bit for bit; what goes is ~20 tensor
+// allocations, views and dispatches a layer. Arguments as exit_stack's; returns its {out, keys..., values...}.
+std::vector<torch::Tensor> stack_in_room(torch::Tensor x, const std::vector<torch::Tensor>& packed,
+                                         const std::vector<c10::optional<torch::Tensor>>& bias,
+                                         const std::vector<int64_t>& group, const std::vector<torch::Tensor>& norms,
+                                         const std::vector<double>& eps, const torch::Tensor& cos,
+                                         const torch::Tensor& sin, const std::vector<torch::Tensor>& past_keys,
+                                         const std::vector<torch::Tensor>& past_values, int64_t length,
+                                         const c10::optional<torch::Tensor>& mask, int64_t heads, int64_t kv,
+                                         int64_t d, double scale) {
+  const int64_t layers = static_cast<int64_t>(norms.size()) / 2, B = x.size(0), hidden = x.size(1);
+  const int64_t width = heads + 2 * kv, rot = heads + kv, half = d / 2, rep = heads / kv, L = length + 1;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && d % 8 == 0 && kv > 0 && heads % kv == 0 &&
+                  cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
+                  cos.sizes() == sin.sizes() && cos.dim() == 3 && (cos.size(0) == 1 || cos.size(0) == B) &&
+                  cos.size(1) == 1 && cos.size(2) == d,
+              "river_int4 exit_stack: x must be float [batch, hidden], cos / sin float [batch or 1, 1, head_dim]");
+  torch::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = mask->stride(3) == 1 ? *mask : mask->contiguous();
+    TORCH_CHECK(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) && m.size(1) == 1 && m.size(2) == 1 &&
+                    m.size(3) == L && (m.scalar_type() == torch::kFloat || m.scalar_type() == torch::kBool),
+                "river_int4 attention_out: the one-token mask must be float or bool [batch or 1, 1, 1, L]");
+  }
+  auto check_product = [&](int64_t j, int64_t K, int64_t N) {
+    const torch::Tensor& p = packed[j];
+    TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && group[j] % 16 == 0 &&
+                    p.size(2) == group_bytes(group[j]) && p.size(1) * group[j] == K && p.size(0) * kLanes == N &&
+                    (!bias[j].has_value() || (bias[j]->numel() == N && bias[j]->scalar_type() == torch::kFloat &&
+                                              bias[j]->is_contiguous())),
+                "river_int4 exit_stack: a layer's packed product does not match the layer's shapes");
+  };
+  const int64_t inter2 = packed[2].size(0) * kLanes, inter = inter2 / 2;
+  auto xc = x.contiguous();
+  auto c = cos.contiguous(), s = sin.contiguous();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  const int64_t cb = c.size(0);
+  thread_local std::vector<float> xa, xb, xn, y, qk, attn, h, gu, act;
+  auto fit = [](std::vector<float>& v, int64_t n) { if (v.size() < static_cast<size_t>(n)) v.resize(n); };
+  fit(xa, B * hidden), fit(xb, B * hidden), fit(xn, B * hidden), fit(y, B * width * d), fit(qk, B * rot * d);
+  fit(attn, B * heads * d), fit(h, B * hidden), fit(gu, B * inter2), fit(act, B * inter);
+  std::memcpy(xa.data(), xc.data_ptr<float>(), B * hidden * sizeof(float));
+  float* cur = xa.data();
+  float* next = xb.data();
+  std::vector<torch::Tensor> keys(layers), values(layers);
+  const float sc = static_cast<float>(scale);
+  for (int64_t i = 0; i < layers; ++i) {
+    check_product(4 * i, hidden, width * d), check_product(4 * i + 1, heads * d, hidden);
+    check_product(4 * i + 2, hidden, inter2), check_product(4 * i + 3, inter, hidden);
+    TORCH_CHECK(packed[4 * i + 2].size(0) * kLanes == inter2, "river_int4 exit_stack: the layers' widths differ");
+    const torch::Tensor& kb = past_keys[i];
+    const torch::Tensor& vb = past_values[i];
+    for (const torch::Tensor* buf : {&kb, &vb})
+      TORCH_CHECK(buf->dim() == 4 && buf->size(0) == B && buf->size(1) == kv && buf->size(2) > length &&
+                      buf->size(3) == d && buf->scalar_type() == torch::kFloat && buf->stride(3) == 1,
+                  "river_int4 exit_stack: a growing slot's buffer must be float [batch, kv, capacity > length, d]");
+    auto bias_of = [&](int64_t j) { return bias[j].has_value() ? bias[j]->data_ptr<float>() : nullptr; };
+    auto norm_of = [&](int64_t j) {
+      TORCH_CHECK(norms[j].numel() == hidden && norms[j].scalar_type() == torch::kFloat && norms[j].is_contiguous(),
+                  "river_int4: the norm weight must be float [K]");
+      return norms[j].data_ptr<float>();
+    };
+    // attention_in: input norm, q/k/v product, rotary on q and k (its loop, tokens = 1)
+    river_ops::rms_norm_rows(cur, B, hidden, norm_of(2 * i), static_cast<float>(eps[2 * i]), xn.data());
+    product_rows(xn.data(), B, packed[4 * i], bias_of(4 * i), group[4 * i], nullptr, y.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < rot; ++j) {
+        const float* src = y.data() + (b * width + j) * d;
+        const float* ct = cp + (cb == 1 ? 0 : b) * d;
+        const float* st = sp + (cb == 1 ? 0 : b) * d;
+        float* dst = qk.data() + (b * rot + j) * d;
+        for (int64_t t = 0; t < half; ++t) dst[t] = src[t] * ct[t] - src[t + half] * st[t];
+        for (int64_t t = half; t < d; ++t) dst[t] = src[t] * ct[t] + src[t - half] * st[t];
+      }
+    // the new position's K (rotary applied) and V into the slot's room (write_position's copy)
+    float* kp = kb.data_ptr<float>();
+    float* vp = vb.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < kv; ++g) {
+        std::memcpy(kp + b * kb.stride(0) + g * kb.stride(1) + length * kb.stride(2),
+                    qk.data() + (b * rot + heads + g) * d, d * sizeof(float));
+        std::memcpy(vp + b * vb.stride(0) + g * vb.stride(1) + length * vb.stride(2),
+                    y.data() + (b * width + rot + g) * d, d * sizeof(float));
+      }
+    // attend_one_token over the slot's first L positions (the scratch rows by pointer: a thread_local named
+    // inside the task would be the worker thread's own)
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rep * L * d));
+    const float* qkp = qk.data();
+    float* attnp = attn.data();
+    at::parallel_for(0, B * kv, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b = t / kv, g = t % kv;
+        river_ops::Mask mk;
+        if (m.defined()) {
+          const int64_t off = (m.size(0) == 1 ? 0 : b) * m.stride(0);
+          if (m.scalar_type() == torch::kBool) mk.keep = m.data_ptr<bool>() + off;
+          else mk.add = m.data_ptr<float>() + off;
+        }
+        river_ops::attend_group(qkp + (b * rot + g * rep) * d, d, rep, kp + b * kb.stride(0) + g * kb.stride(1),
+                                kb.stride(2), vp + b * vb.stride(0) + g * vb.stride(1), vb.stride(2), L, d, sc, mk,
+                                attnp + (b * heads + g * rep) * d, d);
+      }
+    });
+    // layer_tail: h = x + o(attn); x' = h + down(silu(gate) * up), gate | up = gu(norm(h))
+    product_rows(attn.data(), B, packed[4 * i + 1], bias_of(4 * i + 1), group[4 * i + 1], cur, h.data());
+    river_ops::rms_norm_rows(h.data(), B, hidden, norm_of(2 * i + 1), static_cast<float>(eps[2 * i + 1]), xn.data());
+    product_rows(xn.data(), B, packed[4 * i + 2], bias_of(4 * i + 2), group[4 * i + 2], nullptr, gu.data());
+    river_ops::silu_mul_rows(gu.data(), B, inter, act.data());
+    product_rows(act.data(), B, packed[4 * i + 3], bias_of(4 * i + 3), group[4 * i + 3], h.data(), next);
+    std::swap(cur, next);
+    keys[i] = kb.narrow(2, 0, L);
+    values[i] = vb.narrow(2, 0, L);
+  }
+  auto out = torch::empty({B, hidden}, torch::kFloat);
+  std::memcpy(out.data_ptr<float>(), cur, B * hidden * sizeof(float));
+  std::vector<torch::Tensor> result{out};
+  result.insert(result.end(), keys.begin(), keys.end());
+  result.insert(result.end(), values.begin(), values.end());
+  return result;
+}
+
 // The exit layers of one decode step after the exit, in one call: for each layer i, attention_in, the KV
 // cache slot's update, River's one-token attention over the slot and layer_tail,
 // the same functions attention_in / attention_out compute (so the same numbers as the per-layer calls).
@@ -623,6 +755,9 @@ std::vector<torch::Tensor> exit_stack(torch::Tensor x, std::vector<torch::Tensor
                   norms.size() == 2 * layers && eps.size() == 2 * layers &&
                   (past_keys.empty() || (past_keys.size() == layers && past_values.size() == layers)),
               "river_int4 exit_stack: 4 products, 2 norms and 0 or 1 past K/V per layer");
+  if (length >= 0 && !past_keys.empty())  // growing slots: no tensor per intermediate
+    return stack_in_room(x, packed, bias, group, norms, eps, cos, sin, past_keys, past_values, length, mask, heads,
+                         kv, d, scale);
   std::vector<torch::Tensor> keys(layers), values(layers);
   for (int64_t i = 0; i < layers; ++i) {
     auto qkv = attention_in(x, packed[4 * i], bias[4 * i], group[4 * i], norms[2 * i], eps[2 * i], cos, sin, batch,
@@ -967,6 +1102,21 @@ bool grid_equals(torch::Tensor packed, int64_t N, int64_t K, int64_t G, bool off
   return same.load();
 }
 
+// torch.argmax(x, dim=-1) of x [M, V] float (V >= 1) -> int64 [M] (river_ops::argmax_row: the first index of
+// the largest value, the first NaN's where there is one). One pass over the row in eight lanes; ATen's
+// argmax compares one value at a time (~80 us for a 152k vocabulary, ~9 for its amax).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) > 0,
+              "river_int4 argmax_rows: x must be float [M, V > 0]");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), V = xc.size(1);
+  auto out = torch::empty({M}, torch::kLong);
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) op[m] = river_ops::argmax_row(xp + m * V, V);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -982,5 +1132,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grid_equals", &grid_equals, "whether the fp32 weight grid_mm multiplies by equals a given weight");
   m.def("attention_out", &attention_out, "Llama-family exit layer: SDPA, o product, norm, gate/up, silu*up, down");
   m.def("attend_one_token", &attend_one_token, "one query token's grouped-query attention over a cache slot");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of float rows, in one vectorized pass");
   m.def("exit_stack", &exit_stack, "Llama-family exit layers of one decode step, KV cache slots updated, in one call");
 }
