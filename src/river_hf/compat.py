@@ -62,6 +62,12 @@ PRIVATE_NAMES = {
     "_validate_generated_length": "R-Stitch's loop: generate's own length checks and messages",
     "_get_logits_processor": "R-Stitch's loop: generate's processors and warpers, in generate's order",
     "_eos_token_tensor": "the EOS ids generate prepared (after _prepare_special_tokens); drafts stop at them",
+    "_pad_token_tensor": "the pad id generate prepared: River's decoding loop gives it to finished rows, as "
+                         "_sample does",
+    "_prefill": "River's decoding loop (generate's custom_generate callable) reads the prompt exactly as "
+                "_sample does (input slicing after a cache, chunked prefill, the first iteration's inputs)",
+    "_sample": "what River's decoding loop hands a call back to when its model inputs are ones the loop does not "
+               "carry: transformers' own loop for greedy search and sampling",
     "_model_mapping": "whether an Auto class maps a config's class, classes registered with "
                       "AutoModelForMaskedLM.register included (the public MODEL_FOR_*_MAPPING_NAMES lists only "
                       "transformers' own model types)",
@@ -122,6 +128,25 @@ class GenerationHooks:
     @classmethod
     def _from_config(cls, config, **kwargs):
         return cls.from_config(config, **kwargs)
+
+
+def prefill(model, input_ids, generation_config, model_kwargs: dict):
+    """The prompt's forward pass as ``_sample`` runs it (``model._prefill``; transformers 5.24-5.25):
+    the model's ``prepare_inputs_for_generation`` and forward; returns the model's output."""
+    return model._prefill(input_ids, generation_config, model_kwargs,
+                          is_first_iteration=not generation_config.is_assistant)
+
+
+def sample_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+    """transformers' own decoding loop for greedy search and sampling (``_sample``), with its
+    arguments."""
+    return model._sample(input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                         generation_config=generation_config, **kwargs)
+
+
+def pad_token_tensor(generation_config):
+    """The pad id tensor ``generate`` prepared (``_pad_token_tensor``), or None."""
+    return generation_config._pad_token_tensor
 
 
 def prepare_generation_config(model, generation_config, **kwargs):

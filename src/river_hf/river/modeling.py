@@ -42,7 +42,8 @@ from .cache import RiverCache
 from .call import GenerateCall
 from .config import CONFIG_DIR, RIVER_SETTINGS, RiverConfig, default_config, river_settings
 from .controllers import ExitRuleList
-from .layer import BACKBONE_ONLY, LOSSLESS, ROUTE, RiverHead, RiverLayer
+from .decode_loop import exit_decode, serves_call
+from .layer import BACKBONE_ONLY, EXIT_ONLY, LOSSLESS, ROUTE, RiverHead, RiverLayer
 from .loading import architecture, as_class, load_checkpoint
 from .loading import read_config as _read_config  # noqa: F401  (the old name)
 from .lossless import backbone_mode, cut_at_stop, lossless_call
@@ -240,6 +241,8 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
             mode = self.river.mode
             if mode == ROUTE:  # the backbone layers' kernel (None at τ > 1: the plain model's own)
                 call.backbone_linear, call.backbone_kernel = backbone_mode(self, self.river_config.backbone_kernel)
+            elif mode == EXIT_ONLY and serves_call(self, args, kwargs, gen_config):
+                kwargs["custom_generate"] = exit_decode  # River's decoding loop (river/decode_loop.py)
             stack.enter_context(self.river.calling(call))
             log = stack.enter_context(self.river.recording())
             if lossless:
