@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TextStreamer
 
 from river_hf import RiverConfig, enable_river
 from river_hf.river import decode_loop, modeling
@@ -45,34 +44,35 @@ def _inputs(batch: int):
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def _run(river, monkeypatch, ours: bool, seed=None, **gen):
+    """``generate`` in exit mode through River's loop (``ours``) or transformers' (``serves_call`` off): the
+    output and how many calls River's loop ran itself (a call it hands back to ``_sample`` counts 0)."""
+    taken = []
+    real = decode_loop.exit_decode
+    handed_back = decode_loop.sample_loop
+
+    def counted(*args, **kwargs):
+        taken.append(1)
+        return real(*args, **kwargs)
+
+    def refused(*args, **kwargs):  # the loop handed the call to transformers' _sample
+        taken.append(-1)
+        return handed_back(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(modeling, "exit_decode", counted)
+        m.setattr(decode_loop, "sample_loop", refused)
+        if not ours:
+            m.setattr(modeling, "serves_call", lambda *a, **k: False)
+        if seed is not None:
+            torch.manual_seed(seed)
+        with river.river_mode("exit"), torch.no_grad():
+            return river.generate(**gen), sum(taken)
+
+
 def _both(river, monkeypatch, seed=None, **gen):
-    """``generate`` in exit mode through River's loop and through transformers' (``serves_call`` off); for
-    each, the output and how many calls River's loop ran itself (a call it hands back to ``_sample``
-    counts 0)."""
-    outs = []
-    for ours in (True, False):
-        taken = []
-        real = decode_loop.exit_decode
-        handed_back = decode_loop.sample_loop
-
-        def counted(*args, **kwargs):
-            taken.append(1)
-            return real(*args, **kwargs)
-
-        def refused(*args, **kwargs):  # the loop handed the call to transformers' _sample
-            taken.append(-1)
-            return handed_back(*args, **kwargs)
-
-        with monkeypatch.context() as m:
-            m.setattr(modeling, "exit_decode", counted)
-            m.setattr(decode_loop, "sample_loop", refused)
-            if not ours:
-                m.setattr(modeling, "serves_call", lambda *a, **k: False)
-            if seed is not None:
-                torch.manual_seed(seed)
-            with river.river_mode("exit"), torch.no_grad():
-                outs.append((river.generate(**gen), sum(taken)))
-    return outs
+    """:func:`_run` through River's loop, then through transformers'."""
+    return [_run(river, monkeypatch, ours, seed, **gen) for ours in (True, False)]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -110,12 +110,25 @@ def test_one_new_token(river, monkeypatch):
     assert taken == 1 and torch.equal(out, ref) and out.shape[1] == 10
 
 
-@pytest.mark.parametrize("case", ["streamer", "beams", "hidden states", "route"])
+def test_a_streamer_gets_what_generate_gives_it(river, monkeypatch):
+    """transformers hands a custom loop no streamer; River passes the call's on, which gets the prompt, each
+    step's tokens and ``end``, as from transformers' loop."""
+    records = []
+    for ours in (True, False):
+        streamer = _Recorder()
+        out, taken = _run(river, monkeypatch, ours, **_inputs(1), max_new_tokens=5, do_sample=False,
+                          streamer=streamer)
+        records.append((out, taken, streamer.puts, streamer.ended))
+    (out, taken, puts, ended), (ref, taken_ref, puts_ref, ended_ref) = records
+    assert taken == 1 and taken_ref == 0 and torch.equal(out, ref)
+    assert len(puts) == len(puts_ref) == 6 and all(torch.equal(a, b) for a, b in zip(puts, puts_ref))
+    assert ended == ended_ref == 1
+
+
+@pytest.mark.parametrize("case", ["beams", "hidden states", "route"])
 def test_calls_it_does_not_serve_run_transformers_loop(river, monkeypatch, case):
     gen = dict(_inputs(1), max_new_tokens=4, do_sample=False)
-    if case == "streamer":
-        gen["streamer"] = TextStreamer(_Tokenizer())
-    elif case == "beams":
+    if case == "beams":
         gen["num_beams"] = 2
     elif case == "hidden states":
         gen.update(output_hidden_states=True, return_dict_in_generate=True)
@@ -126,8 +139,14 @@ def test_calls_it_does_not_serve_run_transformers_loop(river, monkeypatch, case)
     assert not taken and out is not None
 
 
-class _Tokenizer:
-    """What ``TextStreamer`` calls: ``decode``."""
+class _Recorder:
+    """A streamer that keeps what it is given."""
 
-    def decode(self, ids, **kwargs):
-        return " ".join(str(int(i)) for i in ids)
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended += 1

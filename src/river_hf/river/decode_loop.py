@@ -20,14 +20,14 @@ sampling, with the step's inputs kept as it goes:
 - the scores: the last position's logits in fp32 through the call's logits processors; the token:
   their argmax (``river_int4.argmax``: torch's answer in one vectorized pass), or a multinomial draw
   from their softmax (``do_sample``); finished rows get the pad token
-  when a criterion stops at EOS; then the call's stopping criteria;
+  when a criterion stops at EOS; then the call's stopping criteria; a streamer gets the prompt, each
+  step's tokens and ``end``, as from ``generate`` and ``_sample``;
 - returns ``input_ids`` ``[batch, prompt + new]`` (long), or with ``return_dict_in_generate`` a
   ``GenerateDecoderOnlyOutput`` (``sequences``, ``scores`` / ``logits`` when asked, ``cache``).
 
 So the same forward calls on the same tensors as ``_sample``, and the same tokens and scores
 (``tests/test_decode_loop.py`` compares them bit for bit). :func:`serves_call` says which calls River
-hands it (exit mode, greedy or sampling, no streamer: transformers does not pass a custom loop the
-streamer); inside, a call whose model inputs hold anything else than a 2-D mask, the cache,
+hands it (exit mode, greedy or sampling); inside, a call whose model inputs hold anything else than a 2-D mask, the cache,
 ``position_ids``, ``use_cache`` and ``logits_to_keep`` runs transformers' ``_sample``.
 """
 
@@ -42,8 +42,8 @@ from ..quant.river_int4 import argmax
 __all__ = ["exit_decode", "serves_call"]
 
 #: keyword arguments of ``generate`` that bring their own decoding loop or drafter, or need transformers' loop
-_OWN_LOOP = ("custom_generate", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "streamer",
-             "synced_gpus", "negative_prompt_ids")
+_OWN_LOOP = ("custom_generate", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "synced_gpus",
+             "negative_prompt_ids")
 #: the model inputs this loop carries from step to step (anything else: transformers' loop)
 _CARRIED = frozenset({"attention_mask", "cache", "position_ids", "use_cache", "inputs_embeds", "logits_to_keep"})
 
@@ -61,7 +61,8 @@ def serves_call(model, args: tuple, kwargs: dict, generation_config) -> bool:
         return False
     return (config.get_generation_mode() in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
             and not config.output_attentions and not config.output_hidden_states
-            and getattr(config, "prefill_chunk_size", None) is None and config.use_cache is not False)
+            and getattr(config, "prefill_chunk_size", None) is None and config.use_cache is not False
+            and (kwargs.get("streamer") is None or config.num_return_sequences == 1))
 
 
 def exit_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
@@ -69,12 +70,17 @@ def exit_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_c
     """The decoding loop (module docstring), called by ``generate`` with ``_sample``'s arguments:
     ``input_ids`` ``[batch, prompt]`` long, the call's ``LogitsProcessorList`` and
     ``StoppingCriteriaList``, its prepared ``GenerationConfig`` and the model keyword arguments
-    (``cache``, ``attention_mask`` ``[batch, prompt]``, ``position_ids``, ``use_cache``). Returns what
-    ``_sample`` returns. Raises what the model's forward raises."""
+    (``cache``, ``attention_mask`` ``[batch, prompt]``, ``position_ids``, ``use_cache``). transformers
+    hands a custom loop no streamer, and puts no prompt into one it does not hand on: River binds the
+    call's ``streamer`` here (``functools.partial``), which gets the prompt, each step's tokens and
+    ``end`` as ``generate`` and ``_sample`` give them. Returns what ``_sample`` returns. Raises what the
+    model's forward raises."""
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
     cache = model_kwargs.get("cache")
     mask = model_kwargs.get("attention_mask")
     positions = model_kwargs.get("position_ids")
-    if (synced_gpus or streamer is not None or cache is None or positions is None or positions.dim() != 2
+    if (synced_gpus or cache is None or positions is None or positions.dim() != 2
             or getattr(cache, "is_compileable", False) or not model_kwargs.keys() <= _CARRIED
             or model_kwargs.get("inputs_embeds") is not None or (mask is not None and mask.dim() != 2)):
         return sample_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -108,6 +114,8 @@ def exit_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_c
             tokens = tokens * unfinished + pad * (1 - unfinished)
         input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if streamer is not None:
+            streamer.put(tokens.cpu())
         if unfinished.max() == 0:
             break
         if mask is not None:
@@ -117,6 +125,8 @@ def exit_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_c
         if mask is not None:
             step["attention_mask"] = mask
         outputs = model(**step, return_dict=True)
+    if streamer is not None:
+        streamer.end()
     if not want_dict:
         return input_ids
     return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=cache)

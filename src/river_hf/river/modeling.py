@@ -25,6 +25,7 @@ similarity compared with one threshold tau, sequence-level at prefill and token-
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -242,7 +243,8 @@ class RiverForCausalLM(RiverSettingsMixin, GenerationHooks):
             if mode == ROUTE:  # the backbone layers' kernel (None at τ > 1: the plain model's own)
                 call.backbone_linear, call.backbone_kernel = backbone_mode(self, self.river_config.backbone_kernel)
             elif mode == EXIT_ONLY and serves_call(self, args, kwargs, gen_config):
-                kwargs["custom_generate"] = exit_decode  # River's decoding loop (river/decode_loop.py)
+                # River's decoding loop (river/decode_loop.py); transformers hands a custom loop no streamer
+                kwargs["custom_generate"] = functools.partial(exit_decode, streamer=kwargs.pop("streamer", None))
             stack.enter_context(self.river.calling(call))
             log = stack.enter_context(self.river.recording())
             if lossless:
