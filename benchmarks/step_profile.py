@@ -28,10 +28,11 @@ cost lands in the non-product categories, so each mode also gets its non-product
 times ``exit`` and ``river`` with each against the unmodified model: one warm-up, ``--repeats``
 alternating rounds, median and min-max.
 
-**Exit pass** (``--exit-pass``): ``exit`` and ``lossless`` (the model's own settings) with the decoder
-stack's exit-mode pass (``river_hf.river.exit_pass``) and with the architecture's forward in its
-place, timed by ``river_hf.timing.compare`` (one warm-up, ``--repeats`` rounds, alternating order,
-against ``exit`` on the architecture's forward), and the step profile of ``exit`` with each.
+**Exit pass** (``--exit-pass``): ``exit`` and ``lossless`` (the model's own settings) with River's
+exit-mode pass of the decoder stack (``river_hf.river.exit_pass``) and decoding loop
+(``river_hf.river.decode_loop``, exit mode only) and with the architecture's forward and transformers'
+loop in their place, timed by ``river_hf.timing.compare`` (one warm-up, ``--repeats`` rounds,
+alternating order, against ``exit`` without them), and the step profile of ``exit`` with each.
 
 The 1-minute load average is recorded before and after (``river_hf.quant.autotune.load_average``);
 on a loaded machine the timings mean little.
@@ -172,40 +173,45 @@ def fusion(model, plain, inputs: dict, gen: dict, repeats: int) -> dict:
 
 
 def exit_pass(model, plain, inputs: dict, gen: dict, repeats: int) -> dict:
-    """Decode tokens/s of ``exit`` and ``lossless`` with the decoder stack's exit-mode pass
-    (``river_hf.river.exit_pass.ExitPass``) and with the architecture's own forward in its place, and the
-    step profile of ``exit`` with each: ``river_hf.timing.compare``, one warm-up, ``repeats`` rounds, each
-    configuration once per round in alternating order, against ``exit`` on the architecture's forward."""
+    """Decode tokens/s of ``exit`` and ``lossless`` with River's exit-mode pass and decoding loop
+    (``river_hf.river.exit_pass.ExitPass``, ``river_hf.river.decode_loop``) and with the architecture's
+    forward and transformers' loop in their place, and the step profile of ``exit`` with each:
+    ``river_hf.timing.compare``, one warm-up, ``repeats`` rounds, each configuration once per round in
+    alternating order, against ``exit`` on the architecture's forward and transformers' loop."""
+    from river_hf.river import modeling
     from river_hf.river.exit_pass import ExitPass
     from river_hf.timing import compare, measure_generate
 
     stack = model.model
     installed = stack.__dict__["forward"]
     assert isinstance(installed, ExitPass)
+    serves = modeling.serves_call
     profiles: dict[str, list] = {}
 
-    def run(mode: str, on: bool):
-        if not on:
+    def run(mode: str, ours: bool):
+        if not ours:
             del stack.__dict__["forward"]
+            modeling.serves_call = lambda *a, **k: False
         try:
             with model.river_mode(mode):
                 measured = measure_generate(model, inputs, **gen)
                 if mode == "exit":
                     with StepProfiler(model) as prof:
                         measure_generate(model, inputs, **gen)
-                    label = "exit pass" if on else "architecture forward"
+                    label = "River's pass and loop" if ours else "transformers' forward and loop"
                     profiles.setdefault(label, []).append(step_rows(prof.passes, "exit")["exit"]["ms"])
                 return measured
         finally:
             stack.__dict__["forward"] = installed
+            modeling.serves_call = serves
 
-    configs = {"fully quantized, architecture forward": lambda: run("exit", False),
-               "fully quantized, exit pass": lambda: run("exit", True),
-               "lossless, architecture forward": lambda: run("lossless", False),
-               "lossless, exit pass": lambda: run("lossless", True)}
-    comparison = compare(configs, reference="fully quantized, architecture forward", repeats=repeats,
+    configs = {"fully quantized, transformers' forward and loop": lambda: run("exit", False),
+               "fully quantized, River's pass and loop": lambda: run("exit", True),
+               "lossless, transformers' forward": lambda: run("lossless", False),
+               "lossless, River's pass": lambda: run("lossless", True)}
+    comparison = compare(configs, reference="fully quantized, transformers' forward and loop", repeats=repeats,
                          interleave=False, progress=True,
-                         reference_kind="the fully quantized model on the architecture's forward")
+                         reference_kind="the fully quantized model on the architecture's forward and transformers' loop")
     print(comparison.table())
     report = comparison.to_dict()
     # the warm-up's profile is the first of each list; the medians are over the timed rounds
@@ -261,7 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--fusion", action="store_true", help="also time fused against unfused exit layers")
     p.add_argument("--exit-pass", action="store_true",
-                   help="also time exit and lossless with the decoder stack's exit pass and without it")
+                   help="also time exit and lossless with River's exit pass and decoding loop and without them")
     p.add_argument("--no-profile", action="store_true", help="skip the step profile (only --fusion / --exit-pass)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a RiverConfig field for the build (JSON value), e.g. fuse_projections=false")
