@@ -53,3 +53,27 @@ def test_other_libraries_kernels_count_as_exit_products(kernel):
     exit_mlp = model.model.layers[1].exit_layer.mlp
     assert type(exit_mlp.down_proj).__name__ in ("ArkWoqLinear", "OrtMatMulNBitsLinear", "DynamicInt8Linear")
     assert cats[id(exit_mlp.down_proj)] == "exit products"
+
+
+def test_river_exit_mode_steps_report_to_the_profiler():
+    """River's exit-mode step (river.exit_step.ExitStep) calls no forward of the model: it reports its steps
+    to the profiler, which sees each one's exit stack, routing and head, and lets it go afterwards."""
+    from river_hf.quant import river_int4
+    from river_hf.river.exit_step import ExitStep
+
+    from test_exit_step import _inputs, _river
+
+    if not river_int4.works():
+        pytest.skip(f"river-int4 is not available here: {river_int4.unavailable_reason()}")
+    model = _river("qwen2")  # the fused exit layers' one-call stack (tiny_model's layers do not join in one)
+    steps = []
+    real = ExitStep.__call__
+    inputs = _inputs(1)
+    with torch.no_grad(), model.river_mode("exit"), pytest.MonkeyPatch.context() as m, sp.StepProfiler(model) as prof:
+        m.setattr(ExitStep, "__call__", lambda self, *a: steps.append(1) or real(self, *a))
+        model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert len(steps) == 3 and [p["tokens"] for p in prof.passes] == [9, 1, 1, 1]
+    for p in prof.passes[1:]:
+        assert sum(p["seconds"].values()) == pytest.approx(p["end"] - p["start"], rel=0.02)
+        assert min(p["seconds"][c] for c in ("routing", "exit products", "head", "forward glue")) > 0
+    assert ExitStep.observer is None and not nn.modules.module._global_forward_hooks

@@ -18,7 +18,9 @@ per-pass work (``RiverRouter.begin`` / ``after_backbone`` / ``end``, the ``River
   product, the decoder layers' residual adds, the embedding lookup;
 - ``routing``: River's exit decision (state transition similarity, the rules) and its wrappers;
 - ``forward glue``: the decoder stack and the CausalLM forward themselves (mask creation, output
-  objects, logits slicing; in lossless verify passes, entering the verify kernel mode);
+  objects, logits slicing; in lossless verify passes, entering the verify kernel mode), or River's
+  exit-mode step (``river.exit_step.ExitStep``, which reports its steps to the profiler: it calls
+  no forward of the model or the stack; its exit-stack call is timed as the exit layers' C++ calls);
 - ``generate loop``: the time between one forward pass's end and the next one's start
   (transformers' loop: logits processors, argmax, stopping criteria, streamer, input preparation,
   River's ``prepare_inputs_for_generation``; in lossless mode the drafter's and assisted
@@ -102,17 +104,21 @@ class StepProfiler:
         self.handles: list = []
         self.patched: list = []
         self.clock = None  # river-int4's product clock while profiling, when that kernel is loaded
+        self.router = None  # the model's River router, if any
+        self.hook_ids: tuple = ()
 
     def _product_seconds(self) -> float:
         return self.clock.product_ns() * 1e-9 if self.clock is not None else 0.0
 
-    def push(self, cat: str) -> None:
+    def push(self, cat: str, start: float | None = None) -> None:
         # [category, start, children's seconds, product clock at start, children's product seconds]
-        self.stack.append([cat, time.perf_counter(), 0.0, self._product_seconds(), 0.0])
+        self.stack.append([cat, time.perf_counter() if start is None else start, 0.0, self._product_seconds(), 0.0])
 
-    def pop(self) -> None:
+    def pop(self) -> float:
+        """Close the innermost category; returns the time it closed at (perf_counter s)."""
         cat, start, child, product_start, child_products = self.stack.pop()
-        elapsed = time.perf_counter() - start
+        now = time.perf_counter()
+        elapsed = now - start
         products = self._product_seconds() - product_start
         # products timed by the kernel's clock inside a non-product module (a fused exit layer's
         # C++ calls) are exit products; inside a product or head module they are that module's time
@@ -125,15 +131,31 @@ class StepProfiler:
         if self.stack:
             self.stack[-1][2] += elapsed
             self.stack[-1][4] += products
+        return now
+
+    def step_begin(self, tokens: int | None) -> None:
+        """A forward pass (or River's exit-mode step, ``river.exit_step.ExitStep``) of ``tokens`` tokens a
+        row begins: its record opens, its own time goes to ``forward glue``."""
+        now = time.perf_counter()
+        last = self.passes[-1]["end"] if self.passes else None
+        self.passes.append({"tokens": tokens, "mode": self.router.mode if self.router is not None else None,
+                            "start": now, "gap": None if last is None else now - last, "end": None, "seconds": {}})
+        self.push("forward glue", now)
+
+    def step_end(self) -> None:
+        """The pass :meth:`step_begin` began ends."""
+        self.passes[-1]["end"] = self.pop()
 
     def __enter__(self):
         from ..quant.river_int4 import product_clock
+        from ..river.exit_step import ExitStep
 
         cats = self.cats
         self.clock = product_clock()
         if self.clock is not None:
             self.clock.set_product_clock(True)
-        router = getattr(self.model, "river", None)
+        router = self.router = getattr(self.model, "river", None)
+        ExitStep.observer = self  # River's exit-mode steps report to this profiler (they skip the model's forward)
 
         def pre(module, args):
             cat = cats.get(id(module))
@@ -146,21 +168,16 @@ class StepProfiler:
 
         def top_pre(module, args, kwargs):
             x = kwargs.get("input_ids", args[0] if args else None)
-            now = time.perf_counter()
-            last = self.passes[-1]["end"] if self.passes else None
-            self.passes.append({"tokens": int(x.shape[1]) if isinstance(x, torch.Tensor) else None,
-                                "mode": router.mode if router is not None else None, "start": now,
-                                "gap": None if last is None else now - last, "end": None, "seconds": {}})
-            self.push("forward glue")
+            self.step_begin(int(x.shape[1]) if isinstance(x, torch.Tensor) else None)
 
         def top_post(module, args, kwargs, output):
-            self.pop()
-            self.passes[-1]["end"] = time.perf_counter()
+            self.step_end()
 
         self.handles = [nn.modules.module.register_module_forward_pre_hook(pre),
                         nn.modules.module.register_module_forward_hook(post, always_call=True),
                         self.model.register_forward_pre_hook(top_pre, with_kwargs=True, prepend=True),
                         self.model.register_forward_hook(top_post, with_kwargs=True, always_call=True)]
+        self.hook_ids = (self.handles[2].id, self.handles[3].id)  # the model's: ExitStep's steps report instead
         if router is not None:
             for name in ("begin", "after_backbone", "end"):
                 method = getattr(router, name)
@@ -177,6 +194,9 @@ class StepProfiler:
         return self
 
     def __exit__(self, *exc):
+        from ..river.exit_step import ExitStep
+
+        ExitStep.observer = None
         if self.clock is not None:
             self.clock.set_product_clock(False)
         for h in self.handles:

@@ -16,8 +16,11 @@ sampling, with the step's inputs kept as it goes:
   2-D attention mask with a column of ones appended per step (none when the call has none),
   ``position_ids`` ``[batch, 1]`` one past the last (``_update_model_kwargs_for_generation`` appends
   ``last + 1``, ``prepare_inputs_for_generation`` hands the last column on), and the call's
-  ``use_cache`` and ``logits_to_keep``, as ``prepare_inputs_for_generation`` passes them on;
-- the scores: the last position's logits in fp32 through the call's logits processors; the token:
+  ``use_cache`` and ``logits_to_keep``, as ``prepare_inputs_for_generation`` passes them on; where
+  nothing needs the forward's glue (no hooks on the modules it skips, the fused exit stack, River's
+  growing cache), :class:`~river_hf.river.exit_step.ExitStep` does that forward's work itself;
+- the scores: the last position's logits in fp32 through the call's logits processors (each called in
+  turn, as ``LogitsProcessorList`` calls them, without its per-step reading of their signatures); the token:
   their argmax (``river_int4.argmax``: torch's answer in one vectorized pass), or a multinomial draw
   from their softmax (``do_sample``); finished rows get the pad token
   when a criterion stops at EOS; then the call's stopping criteria; a streamer gets the prompt, each
@@ -33,11 +36,14 @@ hands it (exit mode, greedy or sampling); inside, a call whose model inputs hold
 
 from __future__ import annotations
 
+import inspect
+
 import torch
-from transformers.generation import GenerateDecoderOnlyOutput, GenerationMode
+from transformers.generation import GenerateDecoderOnlyOutput, GenerationMode, LogitsProcessorList
 
 from ..compat import pad_token_tensor, prefill, prepare_generation_config, sample_loop
 from ..quant.river_int4 import argmax
+from .exit_step import ExitStep
 
 __all__ = ["exit_decode", "serves_call"]
 
@@ -46,6 +52,24 @@ _OWN_LOOP = ("custom_generate", "assistant_model", "prompt_lookup_num_tokens", "
              "negative_prompt_ids")
 #: the model inputs this loop carries from step to step (anything else: transformers' loop)
 _CARRIED = frozenset({"attention_mask", "cache", "position_ids", "use_cache", "inputs_embeds", "logits_to_keep"})
+
+
+def _direct(processors):
+    """``processors`` as one callable ``(input_ids, scores) -> scores``: each processor called in turn, as
+    ``LogitsProcessorList.__call__`` calls one whose ``__call__`` takes two arguments (it reads each one's
+    signature at every step); the list itself when it is another class or holds a processor that takes
+    more (the list then says what it lacks)."""
+    if type(processors) is not LogitsProcessorList or any(
+            len(inspect.signature(p.__call__).parameters) > 2 for p in processors):
+        return processors
+    processors = tuple(processors)
+
+    def process(input_ids, scores):
+        for processor in processors:
+            scores = processor(input_ids, scores)
+        return scores
+
+    return process
 
 
 def serves_call(model, args: tuple, kwargs: dict, generation_config) -> bool:
@@ -95,36 +119,45 @@ def exit_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_c
     unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
     # what prepare_inputs_for_generation hands on to each step besides the inputs it makes
     passed = {k: model_kwargs[k] for k in ("use_cache", "logits_to_keep") if k in model_kwargs}
+    process = _direct(logits_processor)
 
-    outputs = prefill(model, input_ids, generation_config, model_kwargs)
+    logits = prefill(model, input_ids, generation_config, model_kwargs).logits
     position = positions[:, -1:]
-    while True:
-        logits = outputs.logits[:, -1]
-        logits = logits.to(copy=raw_logits is not None, dtype=torch.float32)
-        next_scores = logits_processor(input_ids, logits)
-        if scores is not None:
-            scores += (next_scores,)
-        if raw_logits is not None:
-            raw_logits += (logits,)
-        if do_sample:
-            tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            tokens = argmax(next_scores)  # torch.argmax's answer, in one vectorized pass where river-int4 is loaded
-        if eos_stops:
-            tokens = tokens * unfinished + pad * (1 - unfinished)
-        input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
-        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-        if streamer is not None:
-            streamer.put(tokens.cpu())
-        if unfinished.max() == 0:
-            break
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
-        position = position + 1
-        step = {"input_ids": tokens[:, None], "cache": cache, "position_ids": position, **passed}
-        if mask is not None:
-            step["attention_mask"] = mask
-        outputs = model(**step, return_dict=True)
+    # the steps without the forward's glue where nothing needs it (river.exit_step), else the model's forward
+    step = ExitStep.prepare(model, cache, mask, passed.get("logits_to_keep", 0))
+    try:
+        while True:
+            logits = logits[:, -1].to(copy=raw_logits is not None, dtype=torch.float32)
+            next_scores = process(input_ids, logits)
+            if scores is not None:
+                scores += (next_scores,)
+            if raw_logits is not None:
+                raw_logits += (logits,)
+            if do_sample:
+                tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                tokens = argmax(next_scores)  # torch.argmax's answer, one vectorized pass where river-int4 is loaded
+            if eos_stops:
+                tokens = tokens * unfinished + pad * (1 - unfinished)
+            input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
+            unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+            if streamer is not None:
+                streamer.put(tokens.cpu())
+            if unfinished.max() == 0:
+                break
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
+            position = position + 1
+            if step is not None:
+                logits = step(tokens[:, None], position, mask)
+                continue
+            inputs = {"input_ids": tokens[:, None], "cache": cache, "position_ids": position, **passed}
+            if mask is not None:
+                inputs["attention_mask"] = mask
+            logits = model(**inputs, return_dict=True).logits
+    finally:
+        if step is not None:
+            step.close()
     if streamer is not None:
         streamer.end()
     if not want_dict:

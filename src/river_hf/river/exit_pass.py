@@ -77,16 +77,13 @@ class ExitPass:
             return None
         ids, cache = kwargs.get("input_ids"), kwargs.get("cache")
         if (ids is None or kwargs.get("inputs_embeds") is not None or cache is None or ids.dim() != 2
-                or ids.shape[1] != 1 or stack.training):
+                or ids.shape[1] != 1):
+            return None
+        if not self.serves_steps():
             return None
         config = stack.config
         use_cache = kwargs.get("use_cache")
-        if config.output_hidden_states or config.output_attentions or not full_attention(config):
-            return None
         layers = router.layers
-        if (len(layers) != config.num_hidden_layers
-                or not getattr(getattr(layers[0], "exit_layer", None), "stacks", False)):
-            return None
         mask = self._mask(kwargs.get("attention_mask"), config)
         if mask is False:
             return None
@@ -102,6 +99,15 @@ class ExitPass:
         for layer in layers[max(1, router.stacked_layers):]:
             hidden = layer(hidden, **layer_kwargs)
         return BaseModelOutputWithPast(last_hidden_state=stack.norm(hidden), cache=cache)
+
+    def serves_steps(self) -> bool:
+        """What does not depend on the pass: the stack in eval mode, no hidden states or attentions
+        asked by its config, full attention only, the config's number of layers, a first exit layer
+        that stacks."""
+        config, layers = self.stack.config, self.router.layers
+        return (not self.stack.training and not config.output_hidden_states and not config.output_attentions
+                and full_attention(config) and len(layers) == config.num_hidden_layers
+                and getattr(getattr(layers[0], "exit_layer", None), "stacks", False))
 
     @staticmethod
     def _mask(mask, config):

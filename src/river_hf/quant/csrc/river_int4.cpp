@@ -611,7 +611,8 @@ void write_position(const torch::Tensor& buf, const torch::Tensor& src, int64_t 
 // activations live in this thread's scratch rows, and every step calls the same loops in the same order as
 // attention_in, attend_one_token and layer_tail (rms_norm_rows, product_rows, the rotary loop,
 // river_ops::attend_group, silu_mul_rows), so the same numbers bit for bit; what goes is ~20 tensor
-// allocations, views and dispatches a layer. Arguments as exit_stack's; returns its {out, keys..., values...}.
+// allocations, views and dispatches a layer. Arguments as exit_stack's; returns its {out, keys..., values...},
+// or with ``views`` false {out} alone (the caller keeps the slots' lengths itself: ExitStackHandle).
 std::vector<torch::Tensor> stack_in_room(torch::Tensor x, const std::vector<torch::Tensor>& packed,
                                          const std::vector<c10::optional<torch::Tensor>>& bias,
                                          const std::vector<int64_t>& group, const std::vector<torch::Tensor>& norms,
@@ -619,7 +620,7 @@ std::vector<torch::Tensor> stack_in_room(torch::Tensor x, const std::vector<torc
                                          const torch::Tensor& sin, const std::vector<torch::Tensor>& past_keys,
                                          const std::vector<torch::Tensor>& past_values, int64_t length,
                                          const c10::optional<torch::Tensor>& mask, int64_t heads, int64_t kv,
-                                         int64_t d, double scale) {
+                                         int64_t d, double scale, bool views = true) {
   const int64_t layers = static_cast<int64_t>(norms.size()) / 2, B = x.size(0), hidden = x.size(1);
   const int64_t width = heads + 2 * kv, rot = heads + kv, half = d / 2, rep = heads / kv, L = length + 1;
   TORCH_CHECK(x.scalar_type() == torch::kFloat && d % 8 == 0 && kv > 0 && heads % kv == 0 &&
@@ -721,16 +722,63 @@ std::vector<torch::Tensor> stack_in_room(torch::Tensor x, const std::vector<torc
     river_ops::silu_mul_rows(gu.data(), B, inter, act.data());
     product_rows(act.data(), B, packed[4 * i + 3], bias_of(4 * i + 3), group[4 * i + 3], h.data(), next);
     std::swap(cur, next);
-    keys[i] = kb.narrow(2, 0, L);
-    values[i] = vb.narrow(2, 0, L);
+    if (views) {
+      keys[i] = kb.narrow(2, 0, L);
+      values[i] = vb.narrow(2, 0, L);
+    }
   }
   auto out = torch::empty({B, hidden}, torch::kFloat);
   std::memcpy(out.data_ptr<float>(), cur, B * hidden * sizeof(float));
   std::vector<torch::Tensor> result{out};
+  if (!views) return result;
   result.insert(result.end(), keys.begin(), keys.end());
   result.insert(result.end(), values.begin(), values.end());
   return result;
 }
+
+// exit_stack on growing cache slots with the per-layer arguments held from step to step: what River's
+// exit-mode step (river/exit_step.py) calls. A step through exit_stack hands pybind11 ~400 Python objects
+// (each layer's packed weights, biases, group sizes, norms, epsilons and slot buffers) and gets back ~50
+// tensors; this holds them and takes the step's x, cos / sin, length and mask only. Same computation
+// (stack_in_room), so the same numbers and the same KV cache writes as exit_stack.
+struct ExitStackHandle {
+  std::vector<torch::Tensor> packed;
+  std::vector<c10::optional<torch::Tensor>> bias;
+  std::vector<int64_t> group;
+  std::vector<torch::Tensor> norms;
+  std::vector<double> eps;
+  int64_t heads, kv, d;
+  double scale;
+  std::vector<torch::Tensor> keys, values;
+
+  ExitStackHandle(std::vector<torch::Tensor> packed_, std::vector<c10::optional<torch::Tensor>> bias_,
+                  std::vector<int64_t> group_, std::vector<torch::Tensor> norms_, std::vector<double> eps_,
+                  int64_t heads_, int64_t kv_, int64_t d_, double scale_)
+      : packed(std::move(packed_)), bias(std::move(bias_)), group(std::move(group_)), norms(std::move(norms_)),
+        eps(std::move(eps_)), heads(heads_), kv(kv_), d(d_), scale(scale_) {
+    const size_t layers = norms.size() / 2;
+    TORCH_CHECK(layers > 0 && packed.size() == 4 * layers && bias.size() == 4 * layers &&
+                    group.size() == 4 * layers && norms.size() == 2 * layers && eps.size() == 2 * layers,
+                "river_int4 ExitStackHandle: 4 products and 2 norms per layer");
+  }
+
+  // the slots' buffers [batch, kv, capacity, d], one key and one value buffer per layer
+  void set_rooms(std::vector<torch::Tensor> keys_, std::vector<torch::Tensor> values_) {
+    TORCH_CHECK(keys_.size() == norms.size() / 2 && values_.size() == keys_.size(),
+                "river_int4 ExitStackHandle: one key and one value buffer per layer");
+    keys = std::move(keys_);
+    values = std::move(values_);
+  }
+
+  // x [batch, hidden] float -> the last layer's output [batch, hidden]; writes position ``length`` of each
+  // layer's buffers and attends to their first length + 1 positions (exit_stack's arguments otherwise)
+  torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t length,
+                    c10::optional<torch::Tensor> mask) {
+    TORCH_CHECK(length >= 0 && !keys.empty(), "river_int4 ExitStackHandle: set_rooms first; length >= 0");
+    return stack_in_room(x, packed, bias, group, norms, eps, cos, sin, keys, values, length, mask, heads, kv, d,
+                         scale, false)[0];
+  }
+};
 
 // The exit layers of one decode step after the exit, in one call: for each layer i, attention_in, the KV
 // cache slot's update, River's one-token attention over the slot and layer_tail,
@@ -1134,4 +1182,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_one_token", &attend_one_token, "one query token's grouped-query attention over a cache slot");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of float rows, in one vectorized pass");
   m.def("exit_stack", &exit_stack, "Llama-family exit layers of one decode step, KV cache slots updated, in one call");
+  py::class_<ExitStackHandle>(m, "ExitStackHandle")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>, std::vector<int64_t>,
+                    std::vector<torch::Tensor>, std::vector<double>, int64_t, int64_t, int64_t, double>())
+      .def("set_rooms", &ExitStackHandle::set_rooms, "the layers' key and value buffers")
+      .def("run", &ExitStackHandle::run, "exit_stack of one decode step on the held layers and buffers");
 }
