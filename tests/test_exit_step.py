@@ -4,6 +4,8 @@ hook or padding outside ``sdpa`` makes the loop run the model's forward instead.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -195,3 +197,29 @@ def test_a_processor_that_takes_more_arguments_gets_transformers_error(river):
 
     with river.river_mode("exit"), torch.no_grad(), pytest.raises(ValueError, match="required parameters"):
         river.generate(**_inputs(1), max_new_tokens=3, logits_processor=LogitsProcessorList([Needs()]))
+
+
+def test_lossless_drafts_take_the_step_with_the_same_tokens(kernel, monkeypatch):
+    """Lossless mode's exit-path drafts (one sequence: River's drafter in transformers' assisted decoding) run
+    through the step: the same tokens as through the model's forward, and the backbone's own (τ > 1)."""
+    from river_hf import disable_river
+
+    river = _river("qwen2")
+    settings = dict(tau=-2.0, min_layer=1, draft_path="exit", draft_tokens=3, prompt_lookup_tokens=0)
+    river.river_config = dataclasses.replace(river.river_config, **settings)
+    inputs = _inputs(1)
+    runs = []
+    for on in (True, False):
+        ran = []
+        real = ExitStep.__call__
+        with monkeypatch.context() as m:
+            m.setattr(ExitStep, "__call__", lambda self, *a: ran.append(1) or real(self, *a))
+            if not on:
+                m.setattr(ExitStep, "prepare", classmethod(lambda *a: None))
+            with river.river_mode("lossless"), torch.no_grad():
+                runs.append((river.generate(**inputs, max_new_tokens=12, do_sample=False), len(ran)))
+    (seq, ran), (seq_ref, ran_ref) = runs
+    assert ran > 0 and ran_ref == 0 and torch.equal(seq, seq_ref)
+    plain = disable_river(river)
+    with torch.no_grad():
+        assert torch.equal(seq, plain.generate(**inputs, max_new_tokens=12, do_sample=False))

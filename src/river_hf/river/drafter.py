@@ -24,6 +24,7 @@ from ..errors import RiverError
 from .arch import decoder_stack
 from .config import DRAFT_PATHS, DRAFT_SCHEDULES, PROMPT_LOOKUP_RULES
 from .draft_schedule import bytes_cost, make_schedule
+from .exit_step import ExitStep
 from .layer import EXIT_ONLY, ROUTE
 
 __all__ = ["ExitPathDrafter", "LookupGate"]
@@ -238,23 +239,40 @@ class ExitPathDrafter(CandidateGenerator):
         if self.call_vocab is not None:
             self.call_vocab.add(input_ids)
         with router.override(mode=self.draft_mode, rules=self.draft_rules), torch.no_grad():
-            for j in range(k):
-                step_mask = None if mask is None else torch.cat([mask, mask.new_ones((1, j))], dim=-1)
-                logits = self._draft_logits(token, step_mask, position + j, cache)
-                self.record["draft_exit_layers"].append(router.exit_layer)
-                processed = self.logits_processor(sequence, logits) if len(self.logits_processor) else logits
-                if self.do_sample:
-                    token = torch.multinomial(processed.softmax(dim=-1), num_samples=1)
-                else:
-                    token = processed.argmax(dim=-1, keepdim=True)
-                sequence = torch.cat([sequence, token], dim=-1)
-                scores.append(processed)
-                if self.eos is not None and int(token) in self.eos:
-                    break
+            # exit-path drafts without the forward's glue where nothing needs it (river.exit_step)
+            step = ExitStep.prepare(self.model, cache, mask, 1) if self.draft_head is None else None
+            try:
+                sequence = self._draft_steps(k, step, sequence, token, mask, position, cache, scores)
+            finally:
+                if step is not None:
+                    step.close()
         if self.call_vocab is not None:
             self.record["draft_vocab_call_ids"] = int(self.call_vocab.ids.numel())
         cache.crop(-len(scores))  # the drafts' K/V; the verify pass writes the backbone's in their place
         return sequence, torch.stack(scores, dim=1)
+
+    def _draft_steps(self, k: int, step, sequence, token, mask, position, cache, scores: list):
+        """:meth:`_draft`'s passes, through ``step`` (an :class:`~river_hf.river.exit_step.ExitStep`) or the
+        model's forward (None): appends each draft's processed scores to ``scores``, returns the sequence
+        with the drafts."""
+        router = self.model.river
+        for j in range(k):
+            step_mask = None if mask is None else torch.cat([mask, mask.new_ones((1, j))], dim=-1)
+            if step is not None:
+                logits = step(token, position + j, step_mask)[:, -1, :].to(torch.float32)
+            else:
+                logits = self._draft_logits(token, step_mask, position + j, cache)
+            self.record["draft_exit_layers"].append(router.exit_layer)
+            processed = self.logits_processor(sequence, logits) if len(self.logits_processor) else logits
+            if self.do_sample:
+                token = torch.multinomial(processed.softmax(dim=-1), num_samples=1)
+            else:
+                token = processed.argmax(dim=-1, keepdim=True)
+            sequence = torch.cat([sequence, token], dim=-1)
+            scores.append(processed)
+            if self.eos is not None and int(token) in self.eos:
+                break
+        return sequence
 
     def _draft_logits(self, token, mask, position, cache) -> torch.Tensor:
         """``float32 [1, vocab]`` logits of one draft pass of ``token`` (``[1, 1]``) at ``position``:
