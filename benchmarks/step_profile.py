@@ -29,8 +29,9 @@ times ``exit`` and ``river`` with each against the unmodified model: one warm-up
 alternating rounds, median and min-max.
 
 **Exit pass** (``--exit-pass``): ``exit`` and ``lossless`` (the model's own settings) with River's
-exit-mode pass of the decoder stack (``river_hf.river.exit_pass``) and decoding loop
-(``river_hf.river.decode_loop``, exit mode only) and with the architecture's forward and transformers'
+exit-mode pass of the decoder stack (``river_hf.river.exit_pass``), decoding loop
+(``river_hf.river.decode_loop``, exit mode only) and exit-mode step (``river_hf.river.exit_step``: the
+loop's steps and lossless mode's drafts) and with the architecture's forward and transformers'
 loop in their place, timed by ``river_hf.timing.compare`` (one warm-up, ``--repeats`` rounds,
 alternating order, against ``exit`` without them), and the step profile of ``exit`` with each.
 
