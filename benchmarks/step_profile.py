@@ -21,7 +21,8 @@ Profiler overhead: each profiled run is paired with an unprofiled run of the sam
 profiled decode time per token is compared with the unprofiled one (``overhead``). The hooks' own
 cost lands in the non-product categories, so each mode also gets its non-product share both ways:
 ``non_product_share`` (1 - products and head / the profiled pass) and, for the one-token modes,
-``non_product_share_unprofiled`` (1 - the same products / the unprofiled decode step).
+``non_product_share_unprofiled`` (1 - a round's products / the same round's unprofiled decode step:
+the median over the rounds, and their range).
 
 **Fusion** (``--fusion``): the exit layers are built twice, with ``fuse_projections`` on and off
 (same backbone, same kernel choice per shape, swapped in place), and ``river_hf.timing.compare``
@@ -119,12 +120,18 @@ def profile(model, plain, inputs: dict, gen: dict, repeats: int, draft_tokens: i
         products = sum(ms[c] for c in ("backbone products", "exit products", "head"))
         unprofiled = statistics.median(step_ms[mode])
         one_token = rows[0]["tokens_per_pass"] == 1 and mode != "lossless"
+        # per round: that round's profiled products against the same round's unprofiled step (a run's memory
+        # speed moves the products by up to ~25 % from round to round; the rest of the step stays)
+        bare_shares = sorted(1.0 - sum(row["ms"][c] for c in ("backbone products", "exit products", "head")) / step
+                             for row, step in zip(rows, step_ms[mode])) if one_token else None
         out[label] = {"ms": ms, "share": {c: v / total for c, v in ms.items()},
                       # everything but the products (and the head), of the profiled pass; and of the same
                       # mode's unprofiled decode step (one-token modes: a pass is a token), which leaves out
-                      # what the hooks themselves cost
+                      # what the hooks themselves cost: the median of the rounds' (each round's products
+                      # against its own unprofiled step), and the rounds' range
                       "non_product_share": 1.0 - products / total,
-                      "non_product_share_unprofiled": 1.0 - products / unprofiled if one_token else None,
+                      "non_product_share_unprofiled": statistics.median(bare_shares) if one_token else None,
+                      "non_product_share_unprofiled_range": [bare_shares[0], bare_shares[-1]] if one_token else None,
                       "total_ms": {"median": total, "min": min(totals), "max": max(totals)},
                       "passes_per_run": rows[0]["passes"], "tokens_per_pass": rows[0]["tokens_per_pass"],
                       "unprofiled_ms_per_token": unprofiled,
