@@ -502,6 +502,42 @@ std::vector<torch::Tensor> attention_in(torch::Tensor x, torch::Tensor packed, c
   return {qk.narrow(1, 0, heads), qk.narrow(1, heads, kv), values};
 }
 
+// The one-token mask as attend_one_token and the exit stack take it: undefined (none), or float (added) or
+// bool (true: attended) [batch or 1, 1, 1, L], contiguous along L.
+torch::Tensor one_token_mask(const c10::optional<torch::Tensor>& mask, int64_t batch, int64_t L) {
+  if (!mask.has_value() || !mask->defined()) return torch::Tensor();
+  torch::Tensor m = mask->stride(3) == 1 ? *mask : mask->contiguous();
+  TORCH_CHECK(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == batch) && m.size(1) == 1 && m.size(2) == 1 &&
+                  m.size(3) == L && (m.scalar_type() == torch::kFloat || m.scalar_type() == torch::kBool),
+              "river_int4 attention_out: the one-token mask must be float or bool [batch or 1, 1, 1, L]");
+  return m;
+}
+
+// One query token per batch row, every K/V head's group of heads / kv query heads (river_ops::attend_group),
+// the (batch, K/V head) pairs over both threads. Query head h of row b at q + b * qb + h * qh; keys and values
+// of row b, K/V head g, position t at k + b * kb + g * kh + t * ks (v likewise); output head h of row b at
+// out + b * ob + h * d. m: one_token_mask's. Pointers, not tensors: a caller's thread_local scratch rows named
+// inside the task would be the worker thread's own.
+void attend_rows(const float* q, int64_t qb, int64_t qh, int64_t batch, int64_t heads, int64_t kv, const float* k,
+                 int64_t kb, int64_t kh, int64_t ks, const float* v, int64_t vb, int64_t vh, int64_t vs, int64_t L,
+                 int64_t d, float scale, const torch::Tensor& m, float* out, int64_t ob) {
+  const int64_t rep = heads / kv;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rep * L * d));
+  at::parallel_for(0, batch * kv, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv, g = i % kv;
+      river_ops::Mask mk;
+      if (m.defined()) {
+        const int64_t off = (m.size(0) == 1 ? 0 : b) * m.stride(0);
+        if (m.scalar_type() == torch::kBool) mk.keep = m.data_ptr<bool>() + off;
+        else mk.add = m.data_ptr<float>() + off;
+      }
+      river_ops::attend_group(q + b * qb + g * rep * qh, qh, rep, k + b * kb + g * kh, ks, v + b * vb + g * vh, vs,
+                              L, d, scale, mk, out + b * ob + g * rep * d, d);
+    }
+  });
+}
+
 // One query token per batch row: query [batch, heads, 1, d] (unit stride in d), keys / values
 // [batch, kv, L, d] (the cache slot), mask none or [batch or 1, 1, 1, L] float (added) or bool (true:
 // attended) -> [batch, heads * d] = softmax(scale * q k^T + mask) v per head, query head h reading K/V head
@@ -520,36 +556,11 @@ torch::Tensor attend_one_token(const torch::Tensor& query, torch::Tensor keys, t
               "and keys / values [batch, kv, L, d]");
   if (keys.stride(3) != 1) keys = keys.contiguous();
   if (values.stride(3) != 1) values = values.contiguous();
-  torch::Tensor m;
-  if (mask.has_value() && mask->defined()) {
-    m = mask->stride(3) == 1 ? *mask : mask->contiguous();
-    TORCH_CHECK(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == batch) && m.size(1) == 1 && m.size(2) == 1 &&
-                    m.size(3) == L && (m.scalar_type() == torch::kFloat || m.scalar_type() == torch::kBool),
-                "river_int4 attention_out: the one-token mask must be float or bool [batch or 1, 1, 1, L]");
-  }
-  const int64_t rep = heads / kv;
+  const torch::Tensor m = one_token_mask(mask, batch, L);
   auto out = torch::empty({batch, heads * d}, torch::kFloat);
-  const float* qp = query.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rep * L * d));
-  at::parallel_for(0, batch * kv, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / kv, g = i % kv;
-      river_ops::Mask mk;
-      if (m.defined()) {
-        const int64_t off = (m.size(0) == 1 ? 0 : b) * m.stride(0);
-        if (m.scalar_type() == torch::kBool) mk.keep = m.data_ptr<bool>() + off;
-        else mk.add = m.data_ptr<float>() + off;
-      }
-      river_ops::attend_group(qp + b * query.stride(0) + g * rep * query.stride(1), query.stride(1), rep,
-                              kp + b * keys.stride(0) + g * keys.stride(1), keys.stride(2),
-                              vp + b * values.stride(0) + g * values.stride(1), values.stride(2), L, d, sc, mk,
-                              op + b * heads * d + g * rep * d, d);
-    }
-  });
+  attend_rows(query.data_ptr<float>(), query.stride(0), query.stride(1), batch, heads, kv, keys.data_ptr<float>(),
+              keys.stride(0), keys.stride(1), keys.stride(2), values.data_ptr<float>(), values.stride(0),
+              values.stride(1), values.stride(2), L, d, static_cast<float>(scale), m, out.data_ptr<float>(), heads * d);
   return out;
 }
 
@@ -622,19 +633,13 @@ std::vector<torch::Tensor> stack_in_room(torch::Tensor x, const std::vector<torc
                                          const c10::optional<torch::Tensor>& mask, int64_t heads, int64_t kv,
                                          int64_t d, double scale, bool views = true) {
   const int64_t layers = static_cast<int64_t>(norms.size()) / 2, B = x.size(0), hidden = x.size(1);
-  const int64_t width = heads + 2 * kv, rot = heads + kv, half = d / 2, rep = heads / kv, L = length + 1;
+  const int64_t width = heads + 2 * kv, rot = heads + kv, half = d / 2, L = length + 1;
   TORCH_CHECK(x.scalar_type() == torch::kFloat && d % 8 == 0 && kv > 0 && heads % kv == 0 &&
                   cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
                   cos.sizes() == sin.sizes() && cos.dim() == 3 && (cos.size(0) == 1 || cos.size(0) == B) &&
                   cos.size(1) == 1 && cos.size(2) == d,
               "river_int4 exit_stack: x must be float [batch, hidden], cos / sin float [batch or 1, 1, head_dim]");
-  torch::Tensor m;
-  if (mask.has_value() && mask->defined()) {
-    m = mask->stride(3) == 1 ? *mask : mask->contiguous();
-    TORCH_CHECK(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) && m.size(1) == 1 && m.size(2) == 1 &&
-                    m.size(3) == L && (m.scalar_type() == torch::kFloat || m.scalar_type() == torch::kBool),
-                "river_int4 attention_out: the one-token mask must be float or bool [batch or 1, 1, 1, L]");
-  }
+  const torch::Tensor m = one_token_mask(mask, B, L);
   auto check_product = [&](int64_t j, int64_t K, int64_t N) {
     const torch::Tensor& p = packed[j];
     TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && group[j] % 16 == 0 &&
@@ -696,25 +701,9 @@ std::vector<torch::Tensor> stack_in_room(torch::Tensor x, const std::vector<torc
         std::memcpy(vp + b * vb.stride(0) + g * vb.stride(1) + length * vb.stride(2),
                     y.data() + (b * width + rot + g) * d, d * sizeof(float));
       }
-    // attend_one_token over the slot's first L positions (the scratch rows by pointer: a thread_local named
-    // inside the task would be the worker thread's own)
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rep * L * d));
-    const float* qkp = qk.data();
-    float* attnp = attn.data();
-    at::parallel_for(0, B * kv, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t b = t / kv, g = t % kv;
-        river_ops::Mask mk;
-        if (m.defined()) {
-          const int64_t off = (m.size(0) == 1 ? 0 : b) * m.stride(0);
-          if (m.scalar_type() == torch::kBool) mk.keep = m.data_ptr<bool>() + off;
-          else mk.add = m.data_ptr<float>() + off;
-        }
-        river_ops::attend_group(qkp + (b * rot + g * rep) * d, d, rep, kp + b * kb.stride(0) + g * kb.stride(1),
-                                kb.stride(2), vp + b * vb.stride(0) + g * vb.stride(1), vb.stride(2), L, d, sc, mk,
-                                attnp + (b * heads + g * rep) * d, d);
-      }
-    });
+    // attend_one_token's attention over the slot's first L positions
+    attend_rows(qk.data(), rot * d, d, B, heads, kv, kp, kb.stride(0), kb.stride(1), kb.stride(2), vp, vb.stride(0),
+                vb.stride(1), vb.stride(2), L, d, sc, m, attn.data(), heads * d);
     // layer_tail: h = x + o(attn); x' = h + down(silu(gate) * up), gate | up = gu(norm(h))
     product_rows(attn.data(), B, packed[4 * i + 1], bias_of(4 * i + 1), group[4 * i + 1], cur, h.data());
     river_ops::rms_norm_rows(h.data(), B, hidden, norm_of(2 * i + 1), static_cast<float>(eps[2 * i + 1]), xn.data());
