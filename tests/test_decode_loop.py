@@ -125,13 +125,18 @@ def test_a_streamer_gets_what_generate_gives_it(river, monkeypatch):
     assert ended == ended_ref == 1
 
 
-@pytest.mark.parametrize("case", ["beams", "hidden states", "route"])
-def test_calls_it_does_not_serve_run_transformers_loop(river, monkeypatch, case):
+@pytest.mark.parametrize("case", ["beams", "hidden states", "route", "stop strings"])
+def test_calls_it_does_not_serve_run_transformers_loop(river, monkeypatch, smollm2_path, case):
+    """Stop strings need the call's tokenizer, which transformers drops for a custom loop: they run its own."""
+    from transformers import AutoTokenizer
+
     gen = dict(_inputs(1), max_new_tokens=4, do_sample=False)
     if case == "beams":
         gen["num_beams"] = 2
     elif case == "hidden states":
         gen.update(output_hidden_states=True, return_dict_in_generate=True)
+    elif case == "stop strings":
+        gen.update(stop_strings=["zz"], tokenizer=AutoTokenizer.from_pretrained(smollm2_path))
     taken = []
     monkeypatch.setattr(modeling, "exit_decode", lambda *a, **k: taken.append(1))
     with river.river_mode("route" if case == "route" else "exit"), torch.no_grad():

@@ -75,8 +75,9 @@ def _direct(processors):
 def serves_call(model, args: tuple, kwargs: dict, generation_config) -> bool:
     """Whether River hands ``model.generate(*args, **kwargs)`` to :func:`exit_decode`: nothing in
     :data:`_OWN_LOOP`, and the config ``generate`` will use (``compat.prepare_generation_config``) asks
-    greedy search or sampling, no ``output_attentions`` / ``output_hidden_states``, no chunked prefill.
-    The caller checks the mode (exit). A config that does not validate is left to ``generate`` to say so."""
+    greedy search or sampling, no ``output_attentions`` / ``output_hidden_states``, no chunked prefill,
+    no stop strings or token healing (they need the call's ``tokenizer``, which transformers passes on to
+    its own loops' preparation and drops for a custom loop). The caller checks the mode (exit). A config that does not validate is left to ``generate`` to say so."""
     if any(kwargs.get(name) is not None for name in _OWN_LOOP) or len(args) > 2:
         return False
     try:
@@ -86,6 +87,7 @@ def serves_call(model, args: tuple, kwargs: dict, generation_config) -> bool:
     return (config.get_generation_mode() in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
             and not config.output_attentions and not config.output_hidden_states
             and getattr(config, "prefill_chunk_size", None) is None and config.use_cache is not False
+            and not getattr(config, "stop_strings", None) and not getattr(config, "token_healing", False)
             and (kwargs.get("streamer") is None or config.num_return_sequences == 1))
 
 
