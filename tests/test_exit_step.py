@@ -15,6 +15,8 @@ from river_hf.quant import river_int4
 from river_hf.river.cache import GrowingLayer, RiverCache
 from river_hf.river.exit_step import ExitStep
 
+from test_decode_loop import _inputs  # the same prompts: one sequence, or a left-padded batch
+
 NEW = 7
 
 
@@ -41,14 +43,6 @@ def _river(model_type: str = "llama", attn: str = "sdpa"):
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def river(request, kernel):
     return _river(request.param)
-
-
-def _inputs(batch: int):
-    ids = torch.randint(3, 256, (batch, 9), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    if batch > 1:
-        ids[0, :4], mask[0, :4] = 0, 0  # left padding
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 def _generate(river, monkeypatch, on: bool, seed=None, **gen):
